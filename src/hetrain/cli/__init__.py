@@ -1,0 +1,55 @@
+"""`hetrain` command line: run | launch | profile | plan | bench | report.
+
+Each subcommand lives in its own module with a `register(subparsers)` function. User errors
+(HetrainError) print one line and exit with code 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from hetrain import __version__
+from hetrain.errors import HetrainError
+
+COMMANDS = ("run", "launch", "profile", "plan", "report")
+"""Subcommand modules under hetrain.cli, in the order `--help` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetrain",
+        description="Train PyTorch models across heterogeneous devices faster than DDP: "
+                    "profile -> plan -> train -> report.")
+    parser.add_argument("--version", action="version", version=f"hetrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"hetrain.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"hetrain.cli.{name}":
+                continue  # command not part of this build
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        # `hetrain` alone runs the built-in demo, like `hetrain run` without a config.
+        args = parser.parse_args(["run", *(argv or [])])
+    try:
+        return int(args.func(args) or 0)
+    except HetrainError as e:
+        print(f"hetrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Progress display and result printing shared by the subcommands (rich; --quiet; --json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hetrain.engine.sim import ProgressFn
+
+
+class Output:
+    """Where a command writes: rich text on stderr/stdout, nothing with --quiet, JSON with --json."""
+
+    def __init__(self, quiet: bool = False, as_json: bool = False) -> None:
+        self.quiet = quiet or as_json
+        self.as_json = as_json
+        self.console = Console(stderr=False, highlight=False)
+        self.err = Console(stderr=True, highlight=False)
+
+    def print(self, *objects: Any) -> None:
+        if not self.quiet:
+            self.console.print(*objects)
+
+    def json(self, data: Any) -> None:
+        if self.as_json:
+            sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+    @contextmanager
+    def progress(self, label: str) -> Iterator[ProgressFn]:
+        """A progress bar for one run; yields the callback engines call."""
+        if self.quiet:
+            yield lambda frac, row: None
+            return
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                       TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), console=self.err, transient=False)
+        with bar:
+            task = bar.add_task(label, total=1.0, info="")
+
+            def update(frac: float, row: dict[str, Any] | None) -> None:
+                info = ""
+                if row is not None:
+                    info = (f"t={row['time_s']:.3g}s  ep={row['epoch']:.2f}  "
+                            f"acc={row['test_accuracy']:.3f}  loss={row['test_loss']:.3f}")
+                bar.update(task, completed=frac, info=info)
+
+            yield update

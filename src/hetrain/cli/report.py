@@ -1,0 +1,36 @@
+"""`hetrain report RUN...`: table and plots from run directories."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hetrain.cli.output import Output
+from hetrain.errors import ConfigError
+from hetrain.report.metrics import load_run
+from hetrain.report.plots import plot_time_to_accuracy, plot_utilisation
+from hetrain.report.table import comparison_rows, comparison_table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="compare runs: table, time-to-accuracy and utilisation plots")
+    p.add_argument("runs", nargs="+", help="run directories (runs/<name>) or their summary.json")
+    p.add_argument("--out", help="folder for the PNGs (default: <first run>/../report)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the table rows as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Output(args.quiet, args.json)
+    runs = [load_run(r) for r in args.runs]
+    if not runs:
+        raise ConfigError("give at least one run directory")
+    out_dir = Path(args.out) if args.out else Path(runs[0].run_dir or ".").parent / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out.print(comparison_table(runs))
+    tta = plot_time_to_accuracy(runs, out_dir / "time_to_accuracy.png")
+    util = plot_utilisation(runs, out_dir / "utilisation.png")
+    out.print(f"plots: {tta}  {util}")
+    out.json({"runs": comparison_rows(runs), "plots": [str(tta), str(util)]})
+    return 0

@@ -1,0 +1,114 @@
+"""`hetrain run [CONFIG.toml]`: train one config (or the built-in demo) and report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from hetrain.cli.output import Output
+from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
+from hetrain.errors import ConfigError
+from hetrain.report.metrics import RunResult
+from hetrain.report.plots import plot_time_to_accuracy, plot_utilisation
+from hetrain.report.table import comparison_table
+from hetrain.runner import run_config
+from hetrain.strategies import REGISTRY
+
+DEMO_STRATEGIES = ("ddp", "local_sgd", "cadp", "ashl")
+"""Strategies the demo compares side by side (those registered in this build)."""
+
+
+def demo_config() -> RunConfig:
+    """The built-in default: hetero-8 preset, MNIST-1D CNN, target 80% test accuracy."""
+    return config_from_dict({
+        "name": "demo", "cluster": "hetero-8",
+        "workload": {"model": "cnn", "dataset": "mnist1d"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"batch_size": 32, "seed": 0},
+        "stop": {"max_epochs": 8.0, "target_accuracy": 0.8},
+    })
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="train a config (no config: the built-in demo)",
+                       description="Train one TOML config; with no config, run the built-in demo "
+                       "(hetero-8 preset, MNIST-1D CNN, strategies side by side).")
+    p.add_argument("config", nargs="?", help="run config TOML (see README: config reference)")
+    p.add_argument("--compare", default="", metavar="S1,S2",
+                   help="also run these strategies (default options) on the same config")
+    p.add_argument("--engine", choices=("sim", "dist"), help="override the config's engine")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set stop.max_epochs=2 (TOML value)")
+    p.add_argument("--runs-dir", default="runs", help="where runs/<name>/ is written")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress or tables")
+    p.add_argument("--json", action="store_true", help="print the summaries as JSON on stdout")
+    p.set_defaults(func=main)
+
+
+def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
+    """Apply `section.key=value` overrides (value parsed as TOML)."""
+    data = cfg.to_dict()
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. stop.max_epochs=2")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare string
+        node: dict[str, Any] = data
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+        node[last] = value
+    return config_from_dict(data)
+
+
+def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
+    names = [s.strip() for s in compare.split(",") if s.strip()]
+    out = [cfg]
+    for name in names:
+        if name not in REGISTRY:
+            raise ConfigError(f"--compare: unknown strategy '{name}'; choose from "
+                              f"{', '.join(sorted(REGISTRY))}")
+        out.append(dataclasses.replace(cfg, name=f"{cfg.name}-{name}",
+                                       strategy=StrategyConfig(name, {})))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Output(args.quiet, args.json)
+    if args.config:
+        configs = _variants(apply_overrides(load_config(args.config), args.set), args.compare)
+    else:
+        base = apply_overrides(demo_config(), args.set)
+        configs = [dataclasses.replace(base, name=f"{base.name}-{s}", strategy=StrategyConfig(s))
+                   for s in DEMO_STRATEGIES if s in REGISTRY]
+        configs += _variants(base, args.compare)[1:]
+    if args.engine:
+        configs = [dataclasses.replace(c, engine=args.engine) for c in configs]
+    results: list[RunResult] = []
+    for cfg in configs:
+        with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:
+            results.append(run_config(cfg, runs_root=args.runs_dir, progress=progress))
+    out.print(comparison_table(results))
+    if not args.no_plot:
+        report_dir = Path(args.runs_dir) / (configs[0].name + "-report" if len(configs) > 1
+                                            else configs[0].name)
+        report_dir.mkdir(parents=True, exist_ok=True)
+        tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
+        util = plot_utilisation(results, report_dir / "utilisation.png")
+        out.print(f"plots: {tta}  {util}")
+    out.json([r.summary for r in results])
+    return 0

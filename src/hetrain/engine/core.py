@@ -1,0 +1,178 @@
+"""Tensor work that every engine shares: a worker's replica, the server's model, the data owner.
+
+Engines differ only in how they move tensors and keep time; the arithmetic of a task and of
+a server update lives here once, so the simulator and torch.distributed compute the same
+numbers for the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from hetrain.config import OptimizerConfig
+from hetrain.strategies.base import OuterOptimizer, Update, WorkTask
+from hetrain.workloads import Workload, gather
+
+
+def flat_params(model: nn.Module) -> Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+
+
+def set_flat_params(model: nn.Module, flat: Tensor) -> None:
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
+
+def set_flat_grads(model: nn.Module, flat: Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def float_buffers(model: nn.Module) -> list[Tensor]:
+    """Floating buffers (e.g. BatchNorm statistics) travel with the parameters."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def build_optimizer(cfg: OptimizerConfig, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+class DataOwner:
+    """Hands out sample indices from per-epoch permutations, to whichever worker asks next.
+
+    One stream for all workers: the C-ADP data owner, and, for DDP, the same distribution as a
+    DistributedSampler. `samples_taken / len` is the epoch count.
+    """
+
+    def __init__(self, n_samples: int, seed: int) -> None:
+        self.n = n_samples
+        self._rng = np.random.default_rng(seed)
+        self._perm = self._rng.permutation(self.n)
+        self._pos = 0
+        self.samples_taken = 0
+
+    def take(self, k: int) -> Tensor:
+        out = []
+        while k > 0:
+            if self._pos == self.n:
+                self._perm, self._pos = self._rng.permutation(self.n), 0
+            m = min(k, self.n - self._pos)
+            out.append(self._perm[self._pos:self._pos + m])
+            self._pos += m
+            k -= m
+            self.samples_taken += m
+        return torch.from_numpy(np.concatenate(out))
+
+    @property
+    def epoch(self) -> float:
+        return self.samples_taken / self.n
+
+
+@dataclass
+class TaskResult:
+    update: Tensor
+    """Flat gradient (gradient mode) or pseudo-gradient start - end (delta mode)."""
+    buffers: list[Tensor]
+    loss: float
+    samples: int
+    steps: int
+
+
+class Replica:
+    """A worker's own model copy and inner optimizer (its state persists across rounds)."""
+
+    def __init__(self, workload: Workload, model: nn.Module, opt_cfg: OptimizerConfig) -> None:
+        self.workload = workload
+        self.model = model
+        self.base_lr = opt_cfg.lr
+        self.optimizer = build_optimizer(opt_cfg, model.parameters())
+
+    def load(self, params: Tensor, buffers: list[Tensor]) -> None:
+        set_flat_params(self.model, params)
+        with torch.no_grad():
+            for mine, theirs in zip(float_buffers(self.model), buffers, strict=True):
+                mine.copy_(theirs)
+
+    def run(self, task: WorkTask, update: Update, batches: list[Tensor]) -> TaskResult:
+        """Run one task on the given index batches (one per local step)."""
+        self.model.train()
+        start = flat_params(self.model)
+        losses = []
+        if update == "gradient":
+            self.model.zero_grad(set_to_none=True)
+            for idx in batches:
+                x, y = gather(self.workload.train, idx)
+                loss = self.workload.loss_fn(self.model(x), y)
+                (loss / len(batches)).backward()
+                losses.append(loss.item())
+            out = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                             for p in self.model.parameters()])
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.base_lr * task.lr_scale
+            for idx in batches:
+                x, y = gather(self.workload.train, idx)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self.workload.loss_fn(self.model(x), y)
+                loss.backward()
+                self.optimizer.step()
+                losses.append(loss.item())
+            out = start - flat_params(self.model)
+        return TaskResult(out, [b.detach().clone() for b in float_buffers(self.model)],
+                          float(np.mean(losses)), sum(len(b) for b in batches), len(batches))
+
+
+class Server:
+    """The global model and the optimizer that applies aggregated pushes to it.
+
+    Gradient mode: the configured optimizer steps on sum_i w_i g_i (w_i sum to 1 for
+    synchronous SGD). Delta mode: outer SGD on sum_i w_i delta_i; lr 1 without momentum sets
+    params to sum_i w_i (theta - delta_i), i.e. the weighted average of the replicas.
+    """
+
+    def __init__(self, model: nn.Module, update: Update, opt_cfg: OptimizerConfig,
+                 outer: OuterOptimizer) -> None:
+        self.model = model
+        self.version = 0
+        if update == "gradient":
+            self.optimizer = build_optimizer(opt_cfg, model.parameters())
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=outer.lr,
+                                             momentum=outer.momentum, nesterov=outer.nesterov)
+
+    def params(self) -> Tensor:
+        return flat_params(self.model)
+
+    def buffers(self) -> list[Tensor]:
+        return [b.detach().clone() for b in float_buffers(self.model)]
+
+    def apply(self, weighted: list[tuple[float, Tensor, list[Tensor]]]) -> None:
+        """One server update from (weight, update, buffers) triples."""
+        if not weighted:
+            return
+        agg = sum(w * u for w, u, _ in weighted)
+        set_flat_grads(self.model, agg)
+        self.optimizer.step()
+        total = sum(w for w, _, _ in weighted)
+        with torch.no_grad():
+            for k, buf in enumerate(float_buffers(self.model)):
+                if total > 0:
+                    buf.copy_(sum(w * bufs[k] for w, _, bufs in weighted) / total)
+        self.version += 1

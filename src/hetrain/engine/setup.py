@@ -1,0 +1,53 @@
+"""Turn a RunConfig into the live pieces an engine needs (shared by sim, dist and the API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetrain.cluster import Cluster, load_cluster
+from hetrain.compress import Compressor, make_compressor
+from hetrain.config import RunConfig
+from hetrain.engine.core import model_bytes
+from hetrain.errors import ConfigError
+from hetrain.strategies import RunContext, Strategy, make_strategy
+from hetrain.workloads import Workload, flops_per_sample, get_workload
+
+
+@dataclass
+class Prepared:
+    cfg: RunConfig
+    cluster: Cluster
+    workload: Workload
+    strategy: Strategy
+    compressor: Compressor
+    ctx: RunContext
+
+
+def prepare(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workload | None = None,
+            strategy: Strategy | None = None) -> Prepared:
+    """Build (or take the given) cluster, workload and strategy, and set the strategy up."""
+    torch.set_num_threads(cfg.train.threads)
+    cluster = cluster or load_cluster(cfg.cluster)
+    workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
+                                        model_options=cfg.workload.model_options,
+                                        dataset_options=cfg.workload.dataset_options)
+    strategy = strategy or make_strategy(cfg.strategy.name, **cfg.strategy.options)
+    compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
+    n_train = len(workload.train)  # type: ignore[arg-type]
+    if n_train < cfg.train.batch_size:
+        raise ConfigError(f"train.batch_size = {cfg.train.batch_size} is larger than the "
+                          f"training set ({n_train} samples)")
+    torch.manual_seed(cfg.train.seed)
+    probe = workload.build_model()
+    ctx = RunContext(cluster=cluster, flops_per_sample=flops_per_sample(workload),
+                     model_bytes=model_bytes(probe), sample_bytes=workload.sample_bytes,
+                     train_samples=n_train, batch_size=cfg.train.batch_size, lr=cfg.optimizer.lr)
+    strategy.setup(ctx)
+    return Prepared(cfg, cluster, workload, strategy, compressor, ctx)
+
+
+def run_dir_for(cfg: RunConfig, runs_root: str | Path | None) -> Path | None:
+    return None if runs_root is None else Path(runs_root) / cfg.name

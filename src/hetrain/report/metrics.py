@@ -1,0 +1,135 @@
+"""Run metrics: `runs/<name>/metrics.jsonl` (one row per evaluation) and `summary.json`.
+
+Both engines fill a `MetricsLog`; `hetrain report` reads the files back. Time-to-accuracy
+(TTA) is the first evaluation time at which test accuracy reaches the target. Hardware
+efficiency is achieved samples/s over the sum of the devices' samples/s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class WorkerTimes:
+    """Where one worker's time went (seconds) and what it moved."""
+
+    name: str
+    busy_s: float = 0.0
+    comm_s: float = 0.0
+    idle_s: float = 0.0
+    samples: int = 0
+    pushes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class RunResult:
+    """What a run returns to the API and the CLI."""
+
+    name: str
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    run_dir: Path | None = None
+
+    @property
+    def final_accuracy(self) -> float:
+        return float(self.summary["final_accuracy"])
+
+    @property
+    def tta_s(self) -> float | None:
+        return self.summary.get("tta_s")
+
+
+@dataclass
+class MetricsLog:
+    """Accumulates evaluation rows and per-worker times; writes JSONL as it goes."""
+
+    name: str
+    workers: list[WorkerTimes]
+    run_dir: Path | None = None
+    target_accuracy: float = 0.0
+    target_loss: float = 0.0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    tta_s: float | None = None
+    tta_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "metrics.jsonl").write_text("")
+
+    def target_reached(self) -> bool:
+        return self.tta_s is not None
+
+    def record(self, *, time_s: float, samples: int, epoch: float, updates: int,
+               test_loss: float, test_accuracy: float, train_loss: float | None,
+               bytes_total: int) -> dict[str, Any]:
+        row = {"time_s": time_s, "samples": samples, "epoch": epoch, "updates": updates,
+               "test_loss": test_loss, "test_accuracy": test_accuracy, "train_loss": train_loss,
+               "bytes_total": bytes_total,
+               "busy_s": [w.busy_s for w in self.workers],
+               "comm_s": [w.comm_s for w in self.workers],
+               "idle_s": [w.idle_s for w in self.workers]}
+        self.rows.append(row)
+        if self.tta_s is None and self._hits_target(test_accuracy, test_loss):
+            self.tta_s, self.tta_samples = time_s, samples
+        if self.run_dir is not None:
+            with (self.run_dir / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def _hits_target(self, acc: float, loss: float) -> bool:
+        if self.target_accuracy > 0:
+            return acc >= self.target_accuracy
+        return self.target_loss > 0 and loss <= self.target_loss
+
+    def summarise(self, *, time_s: float, ideal_samples_per_s: float,
+                  extra: dict[str, Any]) -> RunResult:
+        samples = sum(w.samples for w in self.workers)
+        last = self.rows[-1] if self.rows else {}
+        achieved = samples / time_s if time_s > 0 else 0.0
+        summary = {
+            "name": self.name,
+            **extra,
+            "time_s": time_s,
+            "samples": samples,
+            "epochs": last.get("epoch", 0.0),
+            "updates": last.get("updates", 0),
+            "final_accuracy": last.get("test_accuracy", 0.0),
+            "best_accuracy": max((r["test_accuracy"] for r in self.rows), default=0.0),
+            "final_loss": last.get("test_loss", float("nan")),
+            "target_accuracy": self.target_accuracy or None,
+            "target_loss": self.target_loss or None,
+            "tta_s": self.tta_s,
+            "tta_samples": self.tta_samples,
+            "achieved_samples_per_s": achieved,
+            "ideal_samples_per_s": ideal_samples_per_s,
+            "hardware_efficiency": achieved / ideal_samples_per_s if ideal_samples_per_s else 0.0,
+            "bytes_total": sum(w.bytes_sent + w.bytes_received for w in self.workers),
+            "workers": [asdict(w) for w in self.workers],
+        }
+        if self.run_dir is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return RunResult(self.name, self.rows, summary, self.run_dir)
+
+
+def load_run(path: str | Path) -> RunResult:
+    """Read a run directory (or its summary.json) back."""
+    p = Path(path)
+    run_dir = p.parent if p.name == "summary.json" else p
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        from hetrain.errors import ConfigError
+
+        raise ConfigError(f"'{run_dir}' is not a run directory (no summary.json); "
+                          "give directories under runs/ written by `hetrain run`")
+    summary = json.loads(summary_file.read_text())
+    rows_file = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] \
+        if rows_file.is_file() else []
+    return RunResult(summary.get("name", run_dir.name), rows, summary, run_dir)

@@ -1,0 +1,53 @@
+"""The comparison table printed after a run or by `hetrain report`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from hetrain.report.metrics import RunResult
+
+
+def comparison_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
+    """One dict per run; speedup is the baseline's TTA over this run's (baseline: ddp if present,
+    else the first run)."""
+    base = next((r for r in runs if r.summary.get("strategy") == "ddp"), runs[0])
+    base_tta = base.summary.get("tta_s")
+    rows = []
+    for r in runs:
+        s = r.summary
+        tta = s.get("tta_s")
+        rows.append({
+            "run": r.name, "strategy": s.get("strategy"), "engine": s.get("engine"),
+            "cluster": s.get("cluster"), "tta_s": tta,
+            "speedup": (base_tta / tta) if (tta and base_tta) else None,
+            "final_accuracy": s.get("final_accuracy"), "best_accuracy": s.get("best_accuracy"),
+            "epochs": s.get("epochs"), "time_s": s.get("time_s"),
+            "hardware_efficiency": s.get("hardware_efficiency"),
+            "gbytes_moved": s.get("bytes_total", 0) / 1e9,
+        })
+    return rows
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def comparison_table(runs: list[RunResult]) -> Table:
+    target = next((r.summary.get("target_accuracy") for r in runs
+                   if r.summary.get("target_accuracy")), None)
+    clock = "virtual s" if all(r.summary.get("engine") == "sim" for r in runs) else "s"
+    title = f"time to {target:.0%} test accuracy ({clock})" if target else f"runs ({clock})"
+    t = Table(title=title)
+    for col in ("run", "strategy", "cluster", "TTA", "speedup", "final acc", "best acc",
+                "epochs", "time", "HW eff.", "GB moved"):
+        t.add_column(col, justify="left" if col in ("run", "strategy", "cluster") else "right")
+    for row in comparison_rows(runs):
+        t.add_row(row["run"], str(row["strategy"]), str(row["cluster"]),
+                  _fmt(row["tta_s"], ".3g"), _fmt(row["speedup"], ".2f") + "x"
+                  if row["speedup"] else "-",
+                  _fmt(row["final_accuracy"], ".3f"), _fmt(row["best_accuracy"], ".3f"),
+                  _fmt(row["epochs"], ".2f"), _fmt(row["time_s"], ".3g"),
+                  _fmt(row["hardware_efficiency"], ".2f"), _fmt(row["gbytes_moved"], ".3f"))
+    return t

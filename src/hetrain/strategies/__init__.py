@@ -1,0 +1,27 @@
+"""Training protocols as pure state machines; every module registers its strategy by name."""
+
+from hetrain.strategies import ddp, local_sgd  # noqa: F401  (registration)
+from hetrain.strategies.base import (
+    BarrierMixin,
+    Decision,
+    OuterOptimizer,
+    Push,
+    RunContext,
+    Strategy,
+    WorkTask,
+)
+from hetrain.strategies.registry import REGISTRY, make_strategy, register, strategy_options
+
+__all__ = [
+    "REGISTRY",
+    "BarrierMixin",
+    "Decision",
+    "OuterOptimizer",
+    "Push",
+    "RunContext",
+    "Strategy",
+    "WorkTask",
+    "make_strategy",
+    "register",
+    "strategy_options",
+]

@@ -1,0 +1,174 @@
+"""The strategy interface: a training protocol as a pure state machine, no I/O, no clocks.
+
+An engine (the simulator or torch.distributed) runs this loop and a strategy decides:
+
+    worker w:  task = strategy.next_task(w)         # batch size, local steps, lr scale
+               train `task.local_steps` steps on its replica (or accumulate gradients)
+               push its update (gradient or parameter delta) + a `Push` record
+    server:    decision = strategy.on_push(push)    # which buffered pushes to aggregate into
+                                                    # one server update, with what weights,
+                                                    # and which workers' pulls to answer now
+               answered workers receive the current model and their next task
+
+`comm = "allreduce"` strategies (ddp, local_sgd) are the same protocol with a barrier of all
+workers; engines charge a collective instead of point-to-point PS traffic. Strategies see
+times only as data (`Push.arrival_s`, measured compute times), so the same object drives a
+virtual clock or a wall clock.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from hetrain.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a strategy may know about the run when it is set up."""
+
+    cluster: Cluster
+    """The planner's view of the devices and links (preset, file or profile)."""
+    flops_per_sample: float
+    """Forward+backward FLOPs of one training sample of the workload."""
+    model_bytes: int
+    """Bytes of the model's parameters (fp32), i.e. one full push or pull."""
+    sample_bytes: int
+    """Bytes of one training sample, for strategies that ship data."""
+    train_samples: int
+    """Size of the training set (an epoch)."""
+    batch_size: int
+    """The configured per-worker reference batch size (DDP's per-rank batch)."""
+    lr: float
+    """The configured base learning rate at `batch_size`."""
+
+    @property
+    def n_workers(self) -> int:
+        return self.cluster.n
+
+
+@dataclass(frozen=True)
+class WorkTask:
+    """What a worker does between two synchronisations."""
+
+    batch_size: int
+    local_steps: int = 1
+    lr_scale: float = 1.0
+    """Multiplies the worker's inner learning rate (e.g. linear scaling for bigger batches)."""
+    data_bytes: int = 0
+    """Bytes shipped to the worker with this task (C-ADP's data owner sends the share)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.local_steps < 1:
+            raise ValueError(f"bad task {self}: batch_size and local_steps must be >= 1")
+
+    @property
+    def samples(self) -> int:
+        return self.batch_size * self.local_steps
+
+
+@dataclass(frozen=True)
+class Push:
+    """The record of one worker's push, as the server sees it (tensors stay in the engine)."""
+
+    worker: int
+    base_version: int
+    """Server model version the worker started from (staleness = current - base)."""
+    samples: int
+    steps: int
+    loss: float
+    """Mean training loss over the task."""
+    compute_s: float
+    """Measured (or simulated) compute time of the task."""
+    comm_s: float
+    """Time of the last pull plus this push on the wire."""
+    arrival_s: float
+    """Engine time at which the push reached the server."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The server's answer to a push: what to apply now, whom to release now."""
+
+    apply: tuple[tuple[int, float], ...] = ()
+    """(worker, weight) of buffered pushes to aggregate into ONE server update: sum w_i u_i."""
+    release: tuple[int, ...] = ()
+    """Workers whose pull is answered now with the (updated) model and a new task."""
+
+
+@dataclass(frozen=True)
+class OuterOptimizer:
+    """SGD the server applies to the aggregated pseudo-gradient (delta mode)."""
+
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+Update = Literal["gradient", "delta"]
+Comm = Literal["ps", "allreduce"]
+
+
+@dataclass
+class Strategy(ABC):
+    """Base class of all protocols. Subclasses are registered by name in `strategies.REGISTRY`.
+
+    `update = "gradient"`: a worker accumulates the mean gradient over its task's steps without
+    stepping; the server steps the configured optimizer on the aggregate (synchronous SGD, ASP).
+    `update = "delta"`: a worker trains its own replica with the configured optimizer and pushes
+    the pseudo-gradient (start params - end params); the server applies the outer optimizer
+    (plain SGD with lr 1: sum w_i delta_i is subtracted) to the aggregate.
+    """
+
+    name: ClassVar[str] = "base"
+    comm: ClassVar[Comm] = "ps"
+    update: ClassVar[Update] = "delta"
+
+    ctx: RunContext | None = field(default=None, init=False, repr=False)
+
+    def setup(self, ctx: RunContext) -> None:
+        """Called once before training; planners run here."""
+        self.ctx = ctx
+
+    @abstractmethod
+    def next_task(self, worker: int) -> WorkTask:
+        """The task a worker runs after its (next) pull is answered."""
+
+    @abstractmethod
+    def on_push(self, push: Push) -> Decision:
+        """Decide what to do with a push that has just arrived."""
+
+    def outer(self) -> OuterOptimizer:
+        """The server's outer SGD in delta mode (default: apply the aggregate as it is)."""
+        return OuterOptimizer()
+
+    def stats(self) -> dict[str, float | int | str]:
+        """Strategy-specific figures for the run summary (stage switches, plans)."""
+        return {}
+
+    @property
+    def context(self) -> RunContext:
+        if self.ctx is None:
+            raise RuntimeError(f"strategy '{self.name}' used before setup()")
+        return self.ctx
+
+
+class BarrierMixin:
+    """Collects pushes until every worker has pushed, then applies them all and releases all."""
+
+    def _barrier_init(self, n: int) -> None:
+        self._pending: dict[int, Push] = {}
+        self._n = n
+
+    def _barrier_push(self, push: Push, weight_by_samples: bool = True) -> Decision:
+        self._pending[push.worker] = push
+        if len(self._pending) < self._n:
+            return Decision()
+        total = sum(p.samples for p in self._pending.values())
+        apply = tuple(
+            (w, (p.samples / total) if weight_by_samples else 1.0 / self._n)
+            for w, p in sorted(self._pending.items()))
+        self._pending = {}
+        return Decision(apply=apply, release=tuple(w for w, _ in apply))

@@ -1,0 +1,60 @@
+"""Local SGD / periodic model averaging (torch's PostLocalSGD, DiLoCo without an outer
+momentum by default): every worker runs H local steps, then parameters are averaged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetrain.errors import ConfigError
+from hetrain.strategies.base import (
+    BarrierMixin,
+    Decision,
+    OuterOptimizer,
+    Push,
+    RunContext,
+    Strategy,
+    WorkTask,
+)
+from hetrain.strategies.registry import register
+
+
+@register
+@dataclass
+class LocalSGD(BarrierMixin, Strategy):
+    """Equal batches, `local_steps` inner steps, then an all-reduce average of the replicas.
+
+    With outer_lr=1 and outer_momentum=0 this is plain model averaging; DiLoCo is
+    outer_lr=0.7, outer_momentum=0.9 (Nesterov) with many local steps.
+    """
+
+    name = "local_sgd"
+    comm = "allreduce"
+    update = "delta"
+
+    local_steps: int = 8
+    """Inner steps between two averagings (H)."""
+    outer_lr: float = 1.0
+    """Outer SGD learning rate on the averaged delta (1: plain averaging; DiLoCo: 0.7)."""
+    outer_momentum: float = 0.0
+    """Outer Nesterov momentum (DiLoCo: 0.9)."""
+
+    def __post_init__(self) -> None:
+        if self.local_steps < 1:
+            raise ConfigError(f"strategy local_sgd: local_steps must be >= 1, got {self.local_steps}")
+        if not 0 < self.outer_lr <= 2:
+            raise ConfigError("strategy local_sgd: outer_lr must be in (0, 2]")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError("strategy local_sgd: outer_momentum must be in [0, 1)")
+
+    def setup(self, ctx: RunContext) -> None:
+        super().setup(ctx)
+        self._barrier_init(ctx.n_workers)
+
+    def next_task(self, worker: int) -> WorkTask:
+        return WorkTask(batch_size=self.context.batch_size, local_steps=self.local_steps)
+
+    def on_push(self, push: Push) -> Decision:
+        return self._barrier_push(push, weight_by_samples=False)
+
+    def outer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_lr, self.outer_momentum, nesterov=self.outer_momentum > 0)
