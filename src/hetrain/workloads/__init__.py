@@ -1,0 +1,102 @@
+"""Models and data sets for the simulator, the engines, the planners and the examples.
+
+    wl = get_workload("cnn", "mnist1d", dataset_options={"num_samples": 2000})
+    model = wl.build_model(); x, y = gather(wl.train, torch.arange(64))
+    loss = wl.loss_fn(model(x), y); flops = flops_per_sample(wl)
+
+Models: mlp, cnn, vgg, resnet (classifiers) and gpt (needs the text data set). Data sets: digits,
+mnist1d, text (char-level LM), imagefolder and cifar10 (read from a `root` you provide).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from hetrain.errors import ConfigError
+from hetrain.workloads import datasets, gpt, images, models, text  # noqa: F401  (registration)
+from hetrain.workloads.base import (
+    Batcher,
+    Workload,
+    correct_count,
+    cross_entropy,
+    evaluate,
+    gather,
+    sample_bytes_of,
+)
+from hetrain.workloads.flops import flops_per_sample, num_params
+from hetrain.workloads.registry import (
+    DATASETS,
+    MODEL_INPUTS,
+    MODELS,
+    input_kind,
+    register_dataset,
+    register_model,
+)
+
+__all__ = [
+    "DATASETS", "MODELS", "MODEL_INPUTS", "Batcher", "Workload", "correct_count", "cross_entropy",
+    "evaluate", "flops_per_sample", "gather", "get_workload", "num_params", "register_dataset",
+    "register_model", "sample_bytes_of",
+]
+
+
+def _check_name(what: str, name: str, registry: Mapping[str, Any]) -> None:
+    if name not in registry:
+        raise ConfigError(f"unknown {what} '{name}'; choose one of: {', '.join(sorted(registry))}")
+
+
+def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any], skip: int) -> None:
+    """Unknown or missing keyword options -> a ConfigError naming them and the allowed ones."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    allowed = {p.name for p in params}
+    if unknown := sorted(set(options) - allowed):
+        raise ConfigError(
+            f"unknown option(s) {unknown} for {what}; choose from: {', '.join(sorted(allowed))}"
+        )
+    if missing := [p.name for p in params if p.default is p.empty and p.name not in options]:
+        raise ConfigError(f"{what} needs option(s) {missing}")
+
+
+def get_workload(
+    model: str,
+    dataset: str,
+    model_options: Mapping[str, Any] | None = None,
+    dataset_options: Mapping[str, Any] | None = None,
+) -> Workload:
+    """Load `dataset`, check that `model` fits it and return the Workload "<dataset>-<model>".
+
+    Errors (ConfigError, a ValueError) name the bad value and the allowed ones. The model is
+    built once here (under a forked RNG) so bad model options fail now, not in a worker.
+    """
+    _check_name("model", model, MODELS)
+    _check_name("dataset", dataset, DATASETS)
+    mopts, dopts = dict(model_options or {}), dict(dataset_options or {})
+    _check_options(f"model '{model}'", MODELS[model], mopts, skip=2)
+    _check_options(f"dataset '{dataset}'", DATASETS[dataset], dopts, skip=0)
+    if (model == "gpt") != (dataset == "text"):
+        raise ConfigError(
+            f"model 'gpt' needs dataset 'text', got '{dataset}'" if model == "gpt"
+            else f"dataset 'text' needs model 'gpt', got '{model}'"
+        )
+    train, test, meta = DATASETS[dataset](**dopts)
+    shape, kind = tuple(meta["input_shape"]), input_kind(meta["task"], tuple(meta["input_shape"]))
+    if kind not in MODEL_INPUTS[model]:
+        raise ConfigError(
+            f"model '{model}' takes {', '.join(sorted(MODEL_INPUTS[model]))} inputs; dataset "
+            f"'{dataset}' gives {kind} inputs of shape {shape}"
+        )
+    build = functools.partial(MODELS[model], shape, meta["num_classes"], **mopts)
+    with torch.random.fork_rng(devices=[]):
+        build()
+    extra = {k: v for k, v in meta.items()
+             if k not in ("num_classes", "input_shape", "task", "sample_bytes")}
+    return Workload(
+        name=f"{dataset}-{model}", train=train, test=test, build_model=build, loss_fn=cross_entropy,
+        task=meta["task"], num_classes=meta["num_classes"], sample_bytes=meta["sample_bytes"],
+        input_shape=shape, model_options=mopts, meta=extra,
+    )
