@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetrain.engine.sim import ProgressFn
@@ -20,8 +21,10 @@ class Output:
     def __init__(self, quiet: bool = False, as_json: bool = False) -> None:
         self.quiet = quiet or as_json
         self.as_json = as_json
-        self.console = Console(stderr=False, highlight=False)
-        self.err = Console(stderr=True, highlight=False)
+        # Piped output (CI logs, files) gets a wide table instead of rich's 80-column default.
+        width = None if sys.stdout.isatty() else 160
+        self.console = Console(stderr=False, highlight=False, width=width)
+        self.err = Console(stderr=True, highlight=False, width=width)
 
     def print(self, *objects: Any) -> None:
         if not self.quiet:
@@ -41,7 +44,7 @@ class Output:
                        TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=self.err, transient=False)
         with bar:
-            task = bar.add_task(label, total=1.0, info="")
+            task = bar.add_task(escape(label), total=1.0, info="")
 
             def update(frac: float, row: dict[str, Any] | None) -> None:
                 info = ""

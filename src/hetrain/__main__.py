@@ -1,0 +1,7 @@
+"""`python -m hetrain` is the `hetrain` command."""
+
+import sys
+
+from hetrain.cli import main
+
+sys.exit(main())

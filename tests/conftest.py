@@ -1,0 +1,24 @@
+"""Shared test set-up: one intra-op thread (many tiny models; 2-core CI) and small workloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def digits_mlp():
+    """A small, fast classification workload (sklearn digits, MLP)."""
+    from hetrain.workloads import get_workload
+
+    return get_workload("mlp", "digits")
+
+
+@pytest.fixture(scope="session")
+def mnist1d_cnn_small():
+    """MNIST-1D CNN with a few thousand samples: real but quick."""
+    from hetrain.workloads import get_workload
+
+    return get_workload("cnn", "mnist1d", dataset_options={"num_samples": 4000})

@@ -1,0 +1,67 @@
+"""The CLI end to end, as a user runs it: a tiny config, report, and clear user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = """
+name = "tiny"
+cluster = "hetero-4"
+[workload]
+model = "mlp"
+dataset = "digits"
+[strategy]
+name = "local_sgd"
+local_steps = 2
+[train]
+batch_size = 16
+[stop]
+max_epochs = 1.0
+target_accuracy = 0.3
+"""
+
+
+def hetrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hetrain", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_run_tiny_config_then_report(tmp_path: Path) -> None:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = hetrain("run", "tiny.toml", "--compare", "ddp", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    summaries = json.loads(r.stdout)
+    assert [s["strategy"] for s in summaries] == ["local_sgd", "ddp"]
+    for name in ("tiny", "tiny-ddp"):
+        assert (tmp_path / "runs" / name / "metrics.jsonl").stat().st_size > 0
+        assert (tmp_path / "runs" / name / "summary.json").is_file()
+    assert (tmp_path / "runs" / "tiny-report" / "time_to_accuracy.png").stat().st_size > 1000
+    rep = hetrain("report", "runs/tiny", "runs/tiny-ddp", "--out", "rep", cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    assert "local_sgd" in rep.stdout and "speedup" in rep.stdout
+    assert (tmp_path / "rep" / "utilisation.png").stat().st_size > 1000
+
+
+def test_progress_is_shown_unless_quiet(tmp_path: Path) -> None:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    loud = hetrain("run", "tiny.toml", "--no-plot", "--set", "stop.max_epochs=0.3", cwd=tmp_path)
+    assert loud.returncode == 0 and "tiny [local_sgd]" in loud.stderr
+    assert "time to 30% test accuracy" in loud.stdout
+    quiet = hetrain("run", "tiny.toml", "--no-plot", "--quiet", "--set", "stop.max_epochs=0.3",
+                    cwd=tmp_path)
+    assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text(TINY.replace('model = "mlp"', 'model = "transformerXL"'))
+    cases = [("run", "missing.toml"), ("run", "bad.toml"), ("report", "nowhere"),
+             ("run", "bad.toml", "--set", "nokey")]
+    for args in cases:
+        r = hetrain(*args, cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stderr)
+        last = r.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in r.stderr and last.startswith("hetrain: error:"), r.stderr
+    assert "choose one of" in hetrain("run", "bad.toml", cwd=tmp_path).stderr

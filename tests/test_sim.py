@@ -1,0 +1,136 @@
+"""The simulator: determinism, the virtual clock against hand computation, DDP's pace, scale."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from hetrain.cluster import Cluster, Device, Link, Site, homogeneous, preset
+from hetrain.config import config_from_dict
+from hetrain.runner import run_config
+from hetrain.strategies import BarrierMixin, Decision, Push, RunContext, Strategy, WorkTask
+
+
+def _cfg(strategy: str, **over):
+    data = {"name": f"t-{strategy}", "cluster": "hetero-4",
+            "workload": {"model": "mlp", "dataset": "digits"},
+            "strategy": {"name": strategy, **over.pop("options", {})},
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            "train": {"batch_size": 16, "seed": 0},
+            "stop": {"max_epochs": 2.0}}
+    for k, v in over.items():
+        data[k].update(v)
+    return config_from_dict(data)
+
+
+def two_devices(ps_nic: Link | None = None) -> Cluster:
+    site = Site("s", Link(1e6, 1e-3), Link(1e5, 1e-2))
+    return Cluster("two", (Device("slow", 1e8, site="s", step_overhead_s=0.01),
+                           Device("fast", 4e8, site="s", step_overhead_s=0.01)), (site,),
+                   ps_nic=ps_nic)
+
+
+@dataclass
+class SyncPS(BarrierMixin, Strategy):
+    """A synchronous parameter server with unequal tasks, for the hand computation."""
+
+    name = "test_sync_ps"
+    comm = "ps"
+    update = "delta"
+
+    def setup(self, ctx: RunContext) -> None:
+        super().setup(ctx)
+        self._barrier_init(ctx.n_workers)
+
+    def next_task(self, worker: int) -> WorkTask:
+        return WorkTask(batch_size=8 * (worker + 1), local_steps=3)
+
+    def on_push(self, push: Push) -> Decision:
+        return self._barrier_push(push)
+
+
+def test_same_seed_same_run_different_seed_different_run(digits_mlp) -> None:
+    a = run_config(_cfg("local_sgd"), runs_root=None, workload=digits_mlp)
+    b = run_config(_cfg("local_sgd"), runs_root=None, workload=digits_mlp)
+    assert a.rows == b.rows and a.summary["time_s"] == b.summary["time_s"]
+    c = run_config(_cfg("local_sgd", train={"seed": 1}), runs_root=None, workload=digits_mlp)
+    assert [r["test_loss"] for r in c.rows] != [r["test_loss"] for r in a.rows]
+
+
+def test_virtual_clock_matches_hand_computation_ps(digits_mlp) -> None:
+    cluster = two_devices()
+    cfg = _cfg("ddp", stop={"max_epochs": 0.2})
+    r = run_config(cfg, runs_root=None, cluster=cluster, workload=digits_mlp, strategy=SyncPS())
+    fps, mbytes = r.summary["flops_per_sample"], r.summary["model_bytes"]
+    link = cluster.sites[0].lan
+
+    def worker_round(w: int) -> float:
+        samples = 8 * (w + 1) * 3
+        compute = 3 * 0.01 + samples * fps / cluster.devices[w].flops
+        return 2 * (link.latency_s + mbytes / link.bandwidth_Bps) + compute
+
+    round_s = max(worker_round(0), worker_round(1))
+    rounds = r.summary["updates"]
+    assert rounds >= 2
+    assert r.summary["time_s"] == pytest.approx(rounds * round_s, rel=1e-9)
+    slow, fast = r.summary["workers"]
+    assert fast["idle_s"] == pytest.approx((rounds - 1) * (round_s - worker_round(1)), rel=1e-9)
+    assert slow["comm_s"] == pytest.approx(rounds * 2 * (link.latency_s + mbytes / link.bandwidth_Bps))
+
+
+def test_ps_nic_queues_concurrent_transfers(digits_mlp) -> None:
+    """Both workers pull at t=0 through a PS NIC as slow as their links: the second waits."""
+    nic = Link(1e6, 0.0)
+    cfg = _cfg("ddp", stop={"max_epochs": 0.02})
+    free = run_config(cfg, runs_root=None, cluster=two_devices(), workload=digits_mlp,
+                      strategy=SyncPS())
+    queued = run_config(cfg, runs_root=None, cluster=two_devices(nic), workload=digits_mlp,
+                        strategy=SyncPS())
+    assert queued.summary["time_s"] > free.summary["time_s"]
+
+
+def test_virtual_clock_matches_hand_computation_allreduce(digits_mlp) -> None:
+    cluster = two_devices()
+    r = run_config(_cfg("local_sgd", options={"local_steps": 2}, stop={"max_epochs": 0.1}),
+                   runs_root=None, cluster=cluster, workload=digits_mlp)
+    fps, mbytes = r.summary["flops_per_sample"], r.summary["model_bytes"]
+    compute_slow = 2 * 0.01 + 2 * 16 * fps / cluster.devices[0].flops
+    round_s = compute_slow + cluster.ring_allreduce_time_s(mbytes)
+    assert r.summary["time_s"] == pytest.approx(r.summary["updates"] * round_s, rel=1e-9)
+
+
+def test_ddp_runs_at_the_slowest_pace_on_hetero4(mnist1d_cnn_small) -> None:
+    """Equal batches: every step waits for the slowest device, so efficiency = n*min/sum."""
+    r = run_config(_cfg("ddp", stop={"max_epochs": 0.5}, train={"batch_size": 32}),
+                   runs_root=None, workload=mnist1d_cnn_small)
+    bound = preset("hetero-4").ddp_efficiency_bound()
+    assert bound == pytest.approx(0.5)
+    assert r.summary["hardware_efficiency"] == pytest.approx(bound, rel=0.02)
+    assert r.summary["hardware_efficiency"] <= bound
+
+
+def test_ddp_and_local_sgd_learn(digits_mlp) -> None:
+    for s in ("ddp", "local_sgd"):
+        r = run_config(_cfg(s, stop={"max_epochs": 3.0}), runs_root=None, workload=digits_mlp)
+        assert r.rows[0]["test_accuracy"] < 0.3
+        assert r.final_accuracy > 0.85, s
+
+
+def test_sixty_four_virtual_workers(digits_mlp) -> None:
+    r = run_config(_cfg("local_sgd", options={"local_steps": 2}, stop={"max_epochs": 6.0},
+                        train={"batch_size": 4}),
+                   runs_root=None, cluster=homogeneous(64), workload=digits_mlp)
+    assert len(r.summary["workers"]) == 64
+    assert all(w["samples"] > 0 for w in r.summary["workers"])
+    assert r.rows[-1]["test_loss"] < 0.5 * r.rows[0]["test_loss"]
+
+
+def test_files_are_written(tmp_path, digits_mlp) -> None:
+    r = run_config(_cfg("ddp", stop={"max_epochs": 0.5, "target_accuracy": 0.2}),
+                   runs_root=tmp_path, workload=digits_mlp)
+    run_dir = tmp_path / "t-ddp"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == len(r.rows) >= 2
+    assert (run_dir / "summary.json").is_file()
+    assert r.summary["tta_s"] is not None and r.summary["tta_s"] <= r.summary["time_s"]
