@@ -90,7 +90,8 @@ def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
 def main(args: argparse.Namespace) -> int:
     out = Output(args.quiet, args.json)
     if args.config:
-        configs = _variants(apply_overrides(load_config(args.config), args.set), args.compare)
+        base = apply_overrides(load_config(args.config), args.set)
+        configs = _variants(base, args.compare)
     else:
         base = apply_overrides(demo_config(), args.set)
         configs = [dataclasses.replace(base, name=f"{base.name}-{s}", strategy=StrategyConfig(s))
@@ -104,8 +105,8 @@ def main(args: argparse.Namespace) -> int:
             results.append(run_config(cfg, runs_root=args.runs_dir, progress=progress))
     out.print(comparison_table(results))
     if not args.no_plot:
-        report_dir = Path(args.runs_dir) / (configs[0].name + "-report" if len(configs) > 1
-                                            else configs[0].name)
+        report_dir = Path(args.runs_dir) / (base.name + "-report" if len(configs) > 1
+                                            else base.name)
         report_dir.mkdir(parents=True, exist_ok=True)
         tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
         util = plot_utilisation(results, report_dir / "utilisation.png")
