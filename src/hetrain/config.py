@@ -135,6 +135,46 @@ class StrategyConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class DistConfig:
+    """[dist]: how `engine = "dist"` runs (the simulator ignores it; see hetrain.engine.dist)."""
+
+    backend: str = "gloo"
+    """gloo (CPU) | nccl (GPU)."""
+    emulate: str = "cluster"
+    """none | cluster (pad compute and links to the Cluster's times) | relative (K x slowdown x
+    the measured solo step time)."""
+    time_scale: float = 1.0
+    """Emulated seconds per cluster-model second (e.g. 0.25 runs the cluster 4x faster)."""
+    contention_k: float = 3.0
+    """emulate = "relative": budget allowance for processes sharing cores (~3: 4 procs/2 cores)."""
+    worker_timeout_s: float = 60.0
+    """A worker whose push has not come this long after its task was sent is dropped."""
+    init_timeout_s: float = 60.0
+    """Timeout of process-group initialisation and of collectives."""
+    checkpoint_every: int = 0
+    """Checkpoint the server state every this many server updates (0: only when stopping)."""
+    resume: bool = False
+    """Continue from runs/<name>/checkpoint.pt."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host when hetrain spawns the processes itself."""
+    port: int = 0
+    """Rendezvous port when hetrain spawns the processes itself (0: a free one)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("dist.backend", self.backend, ("gloo", "nccl"))
+        _check_choice("dist.emulate", self.emulate, ("none", "cluster", "relative"))
+        _check_positive("dist.time_scale", self.time_scale)
+        _check_positive("dist.contention_k", self.contention_k)
+        _check_positive("dist.worker_timeout_s", self.worker_timeout_s)
+        _check_positive("dist.init_timeout_s", self.init_timeout_s)
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ConfigError(f"dist.checkpoint_every must be an integer >= 0, got "
+                              f"{self.checkpoint_every!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"dist.port must be an integer in [0, 65535], got {self.port!r}")
+
+
 ENGINES = ("sim", "dist")
 
 
@@ -149,6 +189,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ENGINES)
@@ -163,7 +204,7 @@ class RunConfig:
 
 
 _SECTIONS: dict[str, type] = {"workload": WorkloadConfig, "optimizer": OptimizerConfig,
-                              "train": TrainConfig, "stop": StopConfig}
+                              "train": TrainConfig, "stop": StopConfig, "dist": DistConfig}
 
 
 def _section(name: str, cls: type, data: Any) -> Any:

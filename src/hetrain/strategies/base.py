@@ -140,6 +140,12 @@ class Strategy(ABC):
     def on_push(self, push: Push) -> Decision:
         """Decide what to do with a push that has just arrived."""
 
+    def on_worker_lost(self, worker: int) -> Decision | None:
+        """A real engine dropped `worker` (dead or hung): re-plan, or release/apply what no
+        longer waits for it. Default: nothing (a barrier then waits forever, and the engine
+        stops the run with a checkpoint)."""
+        return None
+
     def outer(self) -> OuterOptimizer:
         """The server's outer SGD in delta mode (default: apply the aggregate as it is)."""
         return OuterOptimizer()

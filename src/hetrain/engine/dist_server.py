@@ -1,0 +1,367 @@
+"""Rank 0 of a dist run: the parameter server, data owner and coordinator of every strategy.
+
+comm = "ps": rank 0 holds the global model (`Server`) and the strategy. A released worker is
+sent (params + float buffers, its WorkTask, the sample indices the DataOwner drew for it);
+it answers with (its update, compressed as configured, + metadata). Pushes are received from
+whichever worker finishes first (`Inbox`), handed to `strategy.on_push`, and the Decision is
+carried out exactly as the simulator does it (same Server, same DataOwner order).
+
+comm = "allreduce": the workers hold identical copies of the global model and all-reduce
+their weighted updates among themselves (a process group of ranks 1..n); rank 0 still runs
+the strategy on the pushes' metadata (a few hundred bytes), draws the samples, tells the
+workers the weights, and pulls the model from one worker when it evaluates or checkpoints.
+
+A worker whose push does not come within `dist.worker_timeout_s`, or whose connection breaks,
+is dropped with a log line and `strategy.on_worker_lost(w)` is called; if the strategy then
+waits for nobody (a barrier missing the lost worker), the run checkpoints and stops with
+`WorkerLostError`. Time is wall-clock seconds since the start, minus the pauses of rank 0's own
+evaluations (the simulator's evaluations take no virtual time either).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pickle
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetrain.engine.checkpoint import ServerState, load_checkpoint, save_checkpoint
+from hetrain.engine.core import DataOwner, Server
+from hetrain.engine.setup import Prepared
+from hetrain.engine.sim import ProgressFn
+from hetrain.engine.wire import Inbox, send_obj
+from hetrain.errors import HetrainError
+from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
+from hetrain.strategies import Decision, Push
+from hetrain.workloads import evaluate
+
+log = logging.getLogger("hetrain.dist")
+
+
+class WorkerLostError(HetrainError):
+    """A synchronous run cannot go on without a worker that died or hung."""
+
+
+class Coordinator:
+    """Rank 0's loop. Workers are 0..n-1 (ranks 1..n)."""
+
+    def __init__(self, prep: Prepared, run_dir: Path | None, progress: ProgressFn | None,
+                 emulation: dict[str, Any]) -> None:
+        self.p, self.cfg = prep, prep.cfg
+        self.strategy = prep.strategy
+        self.run_dir, self.progress = run_dir, progress
+        self.emulation = emulation
+        n = prep.cluster.n
+        torch.manual_seed(self.cfg.train.seed)
+        self.server = Server(prep.workload.build_model(), self.strategy.update,
+                             self.cfg.optimizer, self.strategy.outer())
+        self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
+        self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
+                              run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
+        self.inbox = Inbox([w + 1 for w in range(n)])
+        self.live = set(range(n))
+        self.lost: list[int] = []
+        self.busy: set[int] = set()
+        self.base_version = [0] * n
+        self.buffered: dict[int, deque[tuple[Any, list[torch.Tensor], int]]] = {
+            w: deque() for w in range(n)}
+        self.applied_samples = 0
+        self.max_samples = int(self.cfg.stop.max_epochs * prep.ctx.train_samples)
+        self.eval_every = max(1, int(self.cfg.train.eval_every_epochs * prep.ctx.train_samples))
+        self.next_eval = 0
+        self.recent_losses: list[float] = []
+        self.overruns = [0] * n
+        self.eval_pause_s = 0.0
+        self.offset_s = 0.0
+        self.t0 = time.perf_counter()
+        self.done = False
+        self.updates_since_ckpt = 0
+        self.allreduce = self.strategy.comm == "allreduce"
+
+    # ---- clock -------------------------------------------------------------------------
+    def clock(self) -> float:
+        return self.offset_s + time.perf_counter() - self.t0 - self.eval_pause_s
+
+    # ---- setup / resume -------------------------------------------------------------------
+    def _restore(self) -> None:
+        st = load_checkpoint(self.run_dir, self.strategy.name)
+        self.server.model.load_state_dict(st.model)
+        self.server.optimizer.load_state_dict(st.optimizer)
+        self.server.version = st.version
+        self.strategy, self.owner = st.strategy, st.owner
+        self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
+        self.offset_s = st.elapsed_s
+        self.log.workers = st.workers
+        self.log.tta_s, self.log.tta_samples = st.tta
+        for row in st.rows:  # re-write the metrics file the run had so far
+            self.log.rows.append(row)
+        if self.run_dir is not None:
+            with (self.run_dir / "metrics.jsonl").open("w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in st.rows)
+        # Lost workers are not restored: a resumed run starts every worker process afresh.
+        log.info("resumed '%s' at update %d, %.2f epochs, %.1f s", self.cfg.name, st.version,
+                 self.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
+
+    def _snapshot(self) -> None:
+        """The strategy and data owner as they are right after a server update (what a
+        checkpoint holds, even if taken later: releases after it drew samples for tasks whose
+        pushes were never applied, and a barrier may hold half a round)."""
+        self._snap = pickle.dumps((self.strategy, self.owner, self.applied_samples))
+
+    def checkpoint(self) -> Path | None:
+        """Save the server state as of the last update; None if there is no run dir or no
+        worker left to fetch an all-reduced model from."""
+        if self.run_dir is None:
+            return None
+        if self.allreduce and self.server.version > 0:
+            waiting = sorted(self.live - self.busy)
+            if not waiting:
+                return None
+            self._pull_state(waiting[0])
+        strategy, owner, applied = pickle.loads(self._snap)
+        st = ServerState(
+            model={k: v.detach().clone() for k, v in self.server.model.state_dict().items()},
+            optimizer=self.server.optimizer.state_dict(), version=self.server.version,
+            strategy=strategy, owner=owner, applied_samples=applied,
+            next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
+            workers=[dataclasses.replace(w) for w in self.log.workers],
+            tta=(self.log.tta_s, self.log.tta_samples), lost=list(self.lost),
+            config=self.cfg.to_dict())
+        self.updates_since_ckpt = 0
+        return save_checkpoint(self.run_dir, st)
+
+    def _send_setup(self) -> None:
+        state = None
+        if self.allreduce:
+            state = {"model": self.server.model.state_dict(),
+                     "optimizer": self.server.optimizer.state_dict(),
+                     "version": self.server.version}
+        for w in sorted(self.live):
+            send_obj({"kind": "setup", "worker": w, "cluster": self.p.cluster,
+                      "flops_per_sample": self.p.ctx.flops_per_sample,
+                      "update": self.strategy.update, "comm": self.strategy.comm,
+                      "outer": self.strategy.outer(), "emulation": self.emulation,
+                      "state": state}, w + 1)
+
+    def _await_ready(self) -> None:
+        """Start the clock only when every worker has built its replica (a send to a worker
+        that is not yet receiving blocks)."""
+        for w in sorted(self.live):
+            self.inbox.expect(w + 1, self.cfg.dist.init_timeout_s)
+        while self.inbox.waiting:
+            kind, src, obj, _ = self.inbox.next()
+            if kind == "lost":
+                self._on_lost(src - 1, obj)
+
+    # ---- protocol -------------------------------------------------------------------------
+    def _release(self, w: int) -> None:
+        task = self.strategy.next_task(w)
+        batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
+        msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
+        if not self.allreduce:
+            msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
+            self.base_version[w] = self.server.version
+        nbytes = send_obj(msg, w + 1)
+        self.log.workers[w].bytes_received += nbytes if not self.allreduce else 0
+        self.busy.add(w)
+        self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
+
+    def _on_push(self, w: int, msg: dict[str, Any], nbytes: int) -> None:
+        self.busy.discard(w)
+        self._take_times(w, msg)
+        self.log.workers[w].samples += msg["samples"]
+        self.log.workers[w].pushes += 1
+        if self.allreduce:
+            self.buffered[w].append((None, [], msg["samples"]))
+        else:
+            self.log.workers[w].bytes_sent += nbytes
+            update = self.p.compressor.extract(msg["payload"])
+            self.buffered[w].append((update, msg["buffers"], msg["samples"]))
+        self.recent_losses.append(msg["loss"])
+        decision = self.strategy.on_push(Push(
+            worker=w, base_version=self.base_version[w], samples=msg["samples"],
+            steps=msg["steps"], loss=msg["loss"], compute_s=msg["compute_s"],
+            comm_s=msg["comm_s"], arrival_s=self.clock()))
+        self._decide(decision)
+
+    def _take_times(self, w: int, msg: dict[str, Any]) -> None:
+        """Workers report their cumulative busy/comm/idle seconds with every message."""
+        times, mine = msg["times"], self.log.workers[w]
+        mine.busy_s, mine.comm_s, mine.idle_s = times["busy_s"], times["comm_s"], times["idle_s"]
+        if self.allreduce:
+            mine.bytes_sent, mine.bytes_received = times["bytes_sent"], times["bytes_received"]
+        self.overruns[w] = msg.get("overruns", 0)
+
+    def _decide(self, decision: Decision) -> None:
+        if decision.apply:
+            self._apply(decision)
+        if self.done:
+            return
+        for w in decision.release:
+            if w in self.live:
+                self._release(w)
+
+    def _apply(self, decision: Decision) -> None:
+        items = []
+        for w, weight in decision.apply:
+            if not self.buffered[w]:
+                raise RuntimeError(f"strategy '{self.strategy.name}' applied worker {w}'s push, "
+                                   "but none is buffered")
+            update, buffers, samples = self.buffered[w].popleft()
+            items.append((weight, update, buffers))
+            self.applied_samples += samples
+        if self.allreduce:
+            self._collective_apply(dict(decision.apply))
+        else:
+            self.server.apply(items)
+        self.updates_since_ckpt += 1
+        self._snapshot()
+        if self.applied_samples >= self.next_eval:
+            self._evaluate()
+        if self._should_stop():
+            self.done = True
+        every = self.cfg.dist.checkpoint_every
+        if every and self.updates_since_ckpt >= every and not self.done:
+            self.checkpoint()
+
+    def _collective_apply(self, weights: dict[int, float]) -> None:
+        missing = sorted(self.live - set(weights))
+        if missing:
+            raise RuntimeError(f"strategy '{self.strategy.name}' (comm=allreduce) applied without"
+                               f" live workers {missing}: a collective needs every live worker")
+        for w in sorted(self.live):
+            send_obj({"kind": "apply", "weight": float(weights[w])}, w + 1)
+        self.server.version += 1
+
+    def _pull_state(self, src: int | None = None) -> None:
+        """Allreduce mode: fetch the global model from a waiting worker (default: the first)."""
+        src = min(self.live) if src is None else src
+        send_obj({"kind": "state"}, src + 1)
+        kind, _, msg, _ = self.inbox.request(src + 1, self.cfg.dist.worker_timeout_s)
+        if kind == "lost":
+            raise WorkerLostError(f"worker {src} was lost while sending the model: {msg}")
+        self.server.model.load_state_dict(msg["model"])
+        self.server.optimizer.load_state_dict(msg["optimizer"])
+
+    def _should_stop(self) -> bool:
+        stop = self.cfg.stop
+        return (self.applied_samples >= self.max_samples
+                or (stop.max_time_s > 0 and self.clock() >= stop.max_time_s)
+                or (stop.stop_at_target and self.log.target_reached()))
+
+    def _evaluate(self) -> None:
+        t = self.clock()
+        start = time.perf_counter()
+        if self.allreduce and self.server.version > 0:
+            self._pull_state()
+        wl = self.p.workload
+        loss, acc = evaluate(self.server.model, wl.test, wl.loss_fn)
+        train_loss = (sum(self.recent_losses) / len(self.recent_losses)
+                      if self.recent_losses else None)
+        self.recent_losses = []
+        row = self.log.record(
+            time_s=t, samples=self.applied_samples,
+            epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
+            test_loss=loss, test_accuracy=acc, train_loss=train_loss,
+            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers))
+        while self.next_eval <= self.applied_samples:
+            self.next_eval += self.eval_every
+        paused = time.perf_counter() - start
+        self.eval_pause_s += paused
+        for w in self.busy:
+            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
+        if self.progress is not None:
+            self.progress(min(1.0, self.applied_samples / self.max_samples), row)
+
+    def _on_lost(self, w: int, reason: str) -> None:
+        self.live.discard(w)
+        self.busy.discard(w)
+        self.lost.append(w)
+        self.buffered[w].clear()
+        name = self.p.cluster.devices[w].name
+        log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
+                    "remain", w, w + 1, name, reason, len(self.live))
+        decision = self.strategy.on_worker_lost(w)
+        if decision is not None and not self.allreduce:
+            self._decide(decision)
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        if self.cfg.dist.resume:
+            self._restore()
+        self._snapshot()
+        self._send_setup()
+        self._await_ready()
+        self.t0 = time.perf_counter()
+        if not self.log.rows:
+            self._evaluate()
+        for w in sorted(self.live):
+            self._release(w)
+        error: str | None = None
+        while not self.done:
+            if self.allreduce and self.lost:
+                error = "a collective strategy cannot go on without its lost worker(s)"
+                break
+            if not self.inbox.waiting:
+                error = (f"strategy '{self.strategy.name}' waits for pushes that cannot come "
+                         f"(lost workers {self.lost})")
+                break
+            kind, src, obj, nbytes = self.inbox.next()
+            if kind == "lost":
+                self._on_lost(src - 1, obj)
+            else:
+                self._on_push(src - 1, obj, nbytes)
+        end_s = self.clock()
+        if self.log.rows and self.log.rows[-1]["samples"] != self.applied_samples \
+                and error is None:
+            self._evaluate()
+        self._drain()
+        ckpt = self.checkpoint()
+        self._stop_workers()
+        if error is not None:
+            where = (f"; checkpoint of the last update: {ckpt} (resume with --resume)" if ckpt
+                     else "; no checkpoint could be written")
+            raise WorkerLostError(f"run '{self.cfg.name}' stopped: {error}{where}")
+        return self._summary(end_s)
+
+    def _drain(self) -> None:
+        """Collect the in-flight pushes; their samples are not applied (the run has ended)."""
+        while self.inbox.waiting:
+            kind, src, obj, _ = self.inbox.next()
+            if kind == "lost":
+                self._on_lost_quiet(src - 1)
+            else:
+                self.busy.discard(src - 1)
+                self._take_times(src - 1, obj)
+
+    def _stop_workers(self) -> None:
+        for w in sorted(self.live):
+            send_obj({"kind": "stop"}, w + 1)
+            self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
+        while self.inbox.waiting:
+            kind, src, obj, _ = self.inbox.next()
+            if kind == "msg":
+                self._take_times(src - 1, obj)
+
+    def _on_lost_quiet(self, w: int) -> None:
+        self.live.discard(w)
+        self.lost.append(w)
+
+    def _summary(self, end_s: float) -> RunResult:
+        cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
+        ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
+        if self.emulation.get("mode") != "none":
+            ideal /= self.emulation.get("time_scale", 1.0)
+        extra = {"engine": "dist", "strategy": self.strategy.name, "cluster": cluster.name,
+                 "workload": self.p.workload.name, "n_workers": cluster.n,
+                 "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
+                 "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
+                 "emulation": self.emulation, "lost_workers": self.lost,
+                 "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s}
+        return self.log.summarise(time_s=end_s, ideal_samples_per_s=ideal, extra=extra)

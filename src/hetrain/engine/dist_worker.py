@@ -1,0 +1,183 @@
+"""Ranks 1..n of a dist run: a worker that runs the tasks rank 0 sends it.
+
+Messages from rank 0: "setup" (the cluster, its device, update mode, emulation; in allreduce
+mode the initial global model), "task" (WorkTask + sample indices [+ params, ps mode]),
+"apply" (allreduce mode: all-reduce my last update with this weight and step my copy of the
+global model), "state" (send my copy of the global model), "stop". Every answer carries the
+worker's cumulative busy / comm / idle seconds, measured here:
+  busy = the task's compute, padded to its emulated budget;
+  comm = emulated wire time of pull and push, and all-reduces (padded to the ring model);
+  idle = waiting for rank 0 (for a barrier, a quorum or the server's turn).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.compress import Compressor, ErrorFeedback
+from hetrain.config import RunConfig
+from hetrain.engine.core import Replica, Server, TaskResult, float_buffers
+from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.wire import recv_obj, send_obj
+from hetrain.workloads import Workload
+
+
+@dataclass
+class Fault:
+    """Fault injection for tests: before its `task`-th task (0-based) the worker exits or hangs."""
+
+    task: int
+    kind: str = "exit"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exit", "hang"):
+            raise ValueError(f"fault kind must be 'exit' or 'hang', got {self.kind!r}")
+
+
+@dataclass
+class FaultPlan:
+    """Builder: `fail_at(rank=2, task=3).fail_at(rank=1, task=5, kind="hang")`."""
+
+    faults: dict[int, Fault] = field(default_factory=dict)
+
+    def fail_at(self, rank: int, task: int, kind: str = "exit") -> FaultPlan:
+        if rank < 1:
+            raise ValueError("only worker ranks (>= 1) can be made to fail")
+        self.faults[rank] = Fault(task, kind)
+        return self
+
+
+def fail_at(rank: int, task: int, kind: str = "exit") -> FaultPlan:
+    return FaultPlan().fail_at(rank, task, kind)
+
+
+class Worker:
+    def __init__(self, rank: int, cfg: RunConfig, workload: Workload, compressor: Compressor,
+                 group: dist.ProcessGroup | None, fault: Fault | None = None) -> None:
+        self.rank, self.cfg, self.wl = rank, cfg, workload
+        self.group = group
+        self.fault = fault
+        self.feedback = ErrorFeedback(compressor)
+        self.times = {"busy_s": 0.0, "comm_s": 0.0, "idle_s": 0.0, "bytes_sent": 0,
+                      "bytes_received": 0}
+        self.tasks = 0
+        self.last: TaskResult | None = None
+
+    def _recv(self) -> dict[str, Any]:
+        t = time.perf_counter()
+        msg, nbytes = recv_obj(0)
+        self.times["idle_s"] += time.perf_counter() - t
+        self._nbytes = nbytes
+        return msg
+
+    def _send(self, msg: dict[str, Any]) -> int:
+        msg["times"] = dict(self.times)
+        msg["overruns"] = self.throttle.overruns
+        return send_obj(msg, 0)
+
+    def run(self) -> None:
+        setup = self._recv()
+        self.w = setup["worker"]
+        cluster, em = setup["cluster"], setup["emulation"]
+        emulate = em["mode"] != "none"
+        self.throttle = Throttle(cluster.devices[self.w] if emulate else None,
+                                 cluster.ps_link(self.w) if emulate else None,
+                                 setup["flops_per_sample"], em.get("time_scale", 1.0))
+        self.cluster, self.emulate = cluster, emulate
+        self.update, self.comm = setup["update"], setup["comm"]
+        torch.manual_seed(self.cfg.train.seed + self.rank)
+        self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer)
+        self.server: Server | None = None
+        if self.comm == "allreduce":
+            self.server = Server(self.wl.build_model(), self.update, self.cfg.optimizer,
+                                 setup["outer"])
+            self.server.model.load_state_dict(setup["state"]["model"])
+            if setup["state"]["version"] > 0:
+                self.server.optimizer.load_state_dict(setup["state"]["optimizer"])
+            self.server.version = setup["state"]["version"]
+        self._send({"kind": "ready"})
+        while True:
+            msg = self._recv()
+            kind = msg["kind"]
+            if kind == "stop":
+                self._send({"kind": "bye"})
+                return
+            if kind == "task":
+                self._task(msg)
+            elif kind == "apply":
+                self._apply(msg["weight"])
+            elif kind == "state":
+                assert self.server is not None
+                self._send({"kind": "state", "model": self.server.model.state_dict(),
+                            "optimizer": self.server.optimizer.state_dict()})
+
+    def _inject_fault(self) -> None:
+        if self.fault is None or self.tasks != self.fault.task:
+            return
+        if self.fault.kind == "exit":
+            os._exit(17)
+        time.sleep(3600)
+
+    def _task(self, msg: dict[str, Any]) -> None:
+        self._inject_fault()
+        task, batches = msg["task"], msg["batches"]
+        pull_s = 0.0
+        if self.comm == "ps":
+            t = time.perf_counter()
+            self.throttle.hold(self._nbytes, started_s=t)
+            pull_s = time.perf_counter() - t
+            self.times["comm_s"] += pull_s
+            self.replica.load(msg["params"], msg["buffers"])
+        else:
+            assert self.server is not None
+            self.replica.load(self.server.params(), self.server.buffers())
+        result, compute_s = self.throttle.run(
+            lambda: self.replica.run(task, self.update, batches), task.samples, task.local_steps)
+        self.times["busy_s"] += compute_s
+        self.tasks += 1
+        out: dict[str, Any] = {"kind": "push", "samples": result.samples, "steps": result.steps,
+                               "loss": result.loss, "compute_s": compute_s}
+        if self.comm == "ps":
+            payload = self.feedback.compress(result.update)
+            out["payload"], out["buffers"] = payload, result.buffers
+            t = time.perf_counter()
+            self.throttle.hold(payload.nbytes + 4 * sum(b.numel() for b in result.buffers))
+            push_s = time.perf_counter() - t
+            self.times["comm_s"] += push_s
+            out["comm_s"] = pull_s + push_s
+        else:
+            self.last = result
+            out["comm_s"] = 0.0
+        self._send(out)
+
+    def _apply(self, weight: float) -> None:
+        """All-reduce sum_i w_i [u_i, b_i, 1] over the workers; step my global copy."""
+        assert self.server is not None and self.last is not None
+        r = self.last
+        bufs = torch.cat([b.reshape(-1) for b in r.buffers]) if r.buffers else torch.zeros(0)
+        flat = torch.cat([weight * r.update, weight * bufs, torch.tensor([weight])])
+        t = time.perf_counter()
+        dist.all_reduce(flat, group=self.group)
+        if self.emulate:
+            members = list(range(self.cluster.n))
+            model_s = self.cluster.ring_allreduce_time_s(r.update.numel() * 4, members)
+            sleep_until(t + self.throttle.time_scale * model_s)
+        self.times["comm_s"] += time.perf_counter() - t
+        n = self.cluster.n
+        moved = int(2 * flat.numel() * 4 * (n - 1) / n)
+        self.times["bytes_sent"] += moved
+        self.times["bytes_received"] += moved
+        k = r.update.numel()
+        total = float(flat[-1])
+        avg_bufs, off = [], k
+        for b in float_buffers(self.server.model):
+            avg_bufs.append((flat[off:off + b.numel()] / total).view_as(b))
+            off += b.numel()
+        self.server.apply([(1.0, flat[:k].clone(), avg_bufs)])
+        self.last = None

@@ -1,0 +1,164 @@
+"""Messages over torch.distributed point-to-point: framing, receive-from-any, free ports.
+
+A message is any picklable object whose tensors travel inside it (model parameters, a
+`Compressed` payload, sample indices). gloo moves only tensors of a size both ends know, so a
+message goes as two sends: an int64 length, then the `torch.save` bytes as a uint8 tensor.
+The serialisation overhead is a few hundred bytes of pickle around the raw tensor storage, so
+`nbytes` of a message is within ~1% of the tensor bytes it carries for anything but tiny ones.
+
+`Inbox` serves whichever worker pushes first (asynchronous receive from any worker); a source
+whose message has not come within its deadline, or whose connection broke, is reported as lost
+instead of blocking the server.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetrain.errors import ConfigError
+
+
+def encode(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def decode(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def send_obj(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> int:
+    """Blocking send of a message; returns the bytes that crossed the wire."""
+    data = encode(obj)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(data, dst, group=group)
+    return data.numel() + 8
+
+
+def recv_body(length: int, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    data = torch.empty(length, dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return decode(data)
+
+
+def recv_obj(src: int, group: dist.ProcessGroup | None = None) -> tuple[Any, int]:
+    """Blocking receive of one message from `src`: (object, bytes)."""
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, src, group=group)
+    n = int(length.item())
+    return recv_body(n, src, group), n + 8
+
+
+class Inbox:
+    """Receive-from-any over point-to-point: one receiver thread per source, one queue.
+
+    gloo's `irecv(...).is_completed()` does not report completion until `wait()` is called,
+    so polling it cannot tell which worker pushed first; a thread per source blocked in
+    `recv` (gloo pairs are independent, so these run concurrently with the main thread's
+    sends) feeds one queue instead. The main thread keeps a deadline per source it expects a
+    message from; a source past its deadline, or whose connection broke, is reported lost.
+    """
+
+    def __init__(self, sources: list[int]) -> None:
+        self._q: queue.Queue[tuple[str, int, Any, int]] = queue.Queue()
+        self._deadline: dict[int, float] = {}
+        self._gone: set[int] = set()
+        self._stash: deque[tuple[str, int, Any, int]] = deque()
+        for src in sources:
+            threading.Thread(target=self._pump, args=(src,), daemon=True,
+                             name=f"hetrain-recv-{src}").start()
+
+    def _pump(self, src: int) -> None:
+        while True:
+            try:
+                obj, n = recv_obj(src)
+            except Exception as e:  # the peer died, hung past the store timeout, or shut down
+                self._q.put(("lost", src, f"connection lost ({str(e).splitlines()[0][:160]})",
+                             0))
+                return
+            self._q.put(("msg", src, obj, n))
+            if isinstance(obj, dict) and obj.get("kind") == "bye":
+                return
+
+    def expect(self, src: int, timeout_s: float) -> None:
+        """src owes us a message within timeout_s."""
+        self._deadline[src] = time.monotonic() + timeout_s
+
+    def extend(self, src: int, timeout_s: float) -> None:
+        """Move src's deadline (e.g. after a long evaluation on the server)."""
+        if src in self._deadline:
+            self._deadline[src] = max(self._deadline[src], time.monotonic() + timeout_s)
+
+    @property
+    def waiting(self) -> list[int]:
+        return sorted(self._deadline)
+
+    def _get(self) -> tuple[str, int, Any, int]:
+        while True:
+            if self._stash:
+                ev = self._stash.popleft()
+            else:
+                now = time.monotonic()
+                src, due = min(self._deadline.items(), key=lambda kv: kv[1])
+                try:
+                    ev = self._q.get(timeout=max(0.0, due - now))
+                except queue.Empty:
+                    del self._deadline[src]
+                    self._gone.add(src)
+                    return "lost", src, "no message within the worker timeout (hung or dead)", 0
+            if ev[1] in self._gone:
+                continue  # a late message or error of a source already given up
+            if ev[0] == "lost":
+                self._gone.add(ev[1])
+            self._deadline.pop(ev[1], None)
+            return ev
+
+    def next(self) -> tuple[str, int, Any, int]:
+        """Block until an expected source delivers or fails: ("msg", src, obj, nbytes) or
+        ("lost", src, reason, 0)."""
+        if not self._deadline and not self._stash:
+            raise RuntimeError("Inbox.next() with nothing expected")
+        return self._get()
+
+    def request(self, src: int, timeout_s: float) -> tuple[str, int, Any, int]:
+        """Wait for src's next message only; others arriving meanwhile are kept for next()."""
+        self.expect(src, timeout_s)
+        held = []
+        while True:
+            ev = self._get()
+            if ev[1] == src:
+                break
+            held.append(ev)
+        self._stash.extend(held)
+        return ev
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (bind to 0 and read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a ConfigError naming the port if the rendezvous store cannot listen on it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise ConfigError(
+                    f"port {port} on {host} is already in use (another run or service holds it); "
+                    "pick another with --port PORT, or use --port 0 for a free one") from None
+            raise
