@@ -1,0 +1,58 @@
+"""`hetrain profile CONFIG.toml`: measure the devices and links on real processes.
+
+Writes a Cluster file (device speeds and access links as measured, for the planners:
+`cluster = "measured.toml"` in a run config) and the ASHL stage-0 Profile (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from hetrain.cli.output import Output
+from hetrain.cli.run import apply_overrides
+from hetrain.config import load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure step times and links on real processes",
+                       description="Spawn the config's processes (as `hetrain launch` would), "
+                       "time each worker's steps at batch b and 2b and its link to rank 0, and "
+                       "write a Cluster TOML and a Profile JSON.")
+    p.add_argument("config", help="run config TOML (its cluster, workload and [dist] are used)")
+    p.add_argument("--out", default="", help="cluster TOML to write (default: "
+                   "<runs-dir>/<name>-cluster.toml)")
+    p.add_argument("--profile-out", default="", help="profile JSON to write (default: "
+                   "<runs-dir>/<name>-profile.json)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per batch size")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set dist.emulate=none")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from hetrain.profile.measure import measure
+
+    cfg = apply_overrides(load_config(args.config), args.set)
+    cfg = dataclasses.replace(cfg, engine="dist")
+    out = Output(args.quiet, args.json)
+    profile, cluster = measure(cfg, steps=args.steps)
+    root = Path(args.runs_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    cluster_path = Path(args.out) if args.out else root / f"{cfg.name}-cluster.toml"
+    profile_path = Path(args.profile_out) if args.profile_out else \
+        root / f"{cfg.name}-profile.json"
+    cluster.save(cluster_path)
+    profile.save(profile_path)
+    for w, d in zip(profile.workers, cluster.devices, strict=True):
+        assert d.link is not None
+        out.print(f"{w.name}: step {w.step_time_s * 1e3:.2f} ms at batch {w.batch_size}, "
+                  f"{d.flops:.3g} FLOP/s, link {d.link.bandwidth_Bps / 1e6:.1f} MB/s "
+                  f"{d.link.latency_s * 1e3:.2f} ms")
+    out.print(f"wrote {cluster_path} and {profile_path}")
+    out.json(profile.to_dict())
+    return 0

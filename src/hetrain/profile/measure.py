@@ -1,0 +1,157 @@
+"""Profiling on the real engine: time each worker's steps and its link to rank 0 (ASHL stage 0).
+
+The same processes as a dist run (rank 0 + one worker per device, gloo, the same emulation),
+but instead of training they answer three probes:
+
+- steps: every worker, all at once (as in training, so contention is included), times
+  `steps` SGD steps at batch sizes b and 2b; the median per batch size gives
+  t(b) = a + c b  ->  step_overhead_s = a,  flops = flops_per_sample / c.
+- ping: rank 0 sends a tiny message to one worker at a time and times the echo
+  (round trip = 2 latency).
+- pull/push: a model-sized message to the worker, and a model-sized answer back; each leg
+  takes latency + bytes / bandwidth, so bandwidth = bytes / (leg - latency).
+
+The result is the `Profile` the planners take (source "measured") and a Cluster with the
+measured devices, each with its measured access link, in one site whose own LAN is made
+negligible (so `ps_link(i)` is the measured link).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from hetrain.cluster import Cluster, Link, Site, load_cluster
+from hetrain.config import RunConfig
+from hetrain.engine import dist as dist_engine
+from hetrain.engine.core import flat_params
+from hetrain.engine.emulate import Throttle
+from hetrain.engine.wire import free_port, recv_obj, send_obj
+from hetrain.profile.profile import Profile, worker_profiles
+from hetrain.workloads import Workload, flops_per_sample, gather, get_workload
+
+FAST = Link(1e15, 0.0)
+
+
+def _median_step_s(wl: Workload, throttle: Throttle, batch: int, steps: int) -> float:
+    model = wl.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    idx = torch.arange(batch) % len(wl.train)  # type: ignore[arg-type]
+    times = []
+    for k in range(steps + 2):
+        def step() -> None:
+            x, y = gather(wl.train, idx)
+            opt.zero_grad(set_to_none=True)
+            wl.loss_fn(model(x), y).backward()
+            opt.step()
+        _, t = throttle.run(step, batch, 1)
+        if k >= 2:
+            times.append(t)
+    return statistics.median(times)
+
+
+def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> None:
+    torch.set_num_threads(cfg.train.threads)
+    wl = conn.recv()
+    dist_engine._init(rv, cfg)
+    try:
+        setup, _ = recv_obj(0)
+        w, cluster, em = setup["worker"], setup["cluster"], setup["emulation"]
+        on = em["mode"] != "none"
+        th = Throttle(cluster.devices[w] if on else None, cluster.ps_link(w) if on else None,
+                      setup["flops_per_sample"], em["time_scale"])
+        while True:
+            msg, nbytes = recv_obj(0)
+            if msg["kind"] == "stop":
+                return
+            if msg["kind"] == "steps":
+                send_obj({"times": [_median_step_s(wl, th, b, msg["steps"])
+                                    for b in msg["batch_sizes"]]}, 0)
+            else:  # echo: hold the pull on my emulated link, hold my answer likewise
+                th.hold(nbytes)
+                reply = {"data": msg["data"] if msg["kind"] == "ping" else msg["answer"]}
+                th.hold(nbytes)
+                send_obj(reply, 0)
+    finally:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def _timed(msg: dict[str, Any], w: int) -> float:
+    t = time.perf_counter()
+    send_obj(msg, w + 1)
+    recv_obj(w + 1)
+    return time.perf_counter() - t
+
+
+def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workload | None = None,
+            steps: int = 8, probes: int = 5) -> tuple[Profile, Cluster]:
+    """Profile the cluster `cfg` describes on real processes (emulated as cfg.dist says)."""
+    base = cluster or load_cluster(cfg.cluster)
+    wl = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
+                                  model_options=cfg.workload.model_options,
+                                  dataset_options=cfg.workload.dataset_options)
+    fps = flops_per_sample(wl)
+    n, b = base.n, cfg.train.batch_size
+    port = cfg.dist.port or free_port(cfg.dist.master_addr)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, n + 1):
+        mine, theirs = ctx.Pipe()
+        rv = dist_engine.Rendezvous(rank, n + 1, cfg.dist.master_addr, port)
+        p = ctx.Process(target=_worker, args=(rv, cfg, theirs), daemon=True)
+        p.start()
+        mine.send(wl)
+        procs.append(p)
+    dist_engine._init(dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port), cfg)
+    import torch.distributed as dist
+    try:
+        em = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
+        for w in range(n):
+            send_obj({"worker": w, "cluster": base, "flops_per_sample": fps, "emulation": em},
+                     w + 1)
+        for w in range(n):
+            send_obj({"kind": "steps", "batch_sizes": [b, 2 * b], "steps": steps}, w + 1)
+        step_times = [recv_obj(w + 1)[0]["times"] for w in range(n)]
+        # A probe of at least 4 MB, so bytes / bandwidth stands out of the latency noise.
+        model = flat_params(wl.build_model())
+        model = torch.zeros(max(model.numel(), 1 << 20))
+        tiny = torch.zeros(1)
+        ping = [statistics.median(_timed({"kind": "ping", "data": tiny}, w)
+                                  for _ in range(probes)) for w in range(n)]
+        big = [statistics.median(_timed({"kind": "model", "data": model, "answer": model}, w)
+                                 for _ in range(probes)) for w in range(n)]
+        for w in range(n):
+            send_obj({"kind": "stop"}, w + 1)
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+    nbytes = model.numel() * 4
+    model_bytes = flat_params(wl.build_model()).numel() * 4
+    devices, links = [], []
+    for w, d in enumerate(base.devices):
+        t1, t2 = step_times[w]
+        c = max((t2 - t1) / b, 1e-12)
+        a = max(t1 - c * b, 0.0)
+        lat = ping[w] / 2
+        leg = max(big[w] / 2 - lat, 1e-9)
+        link = Link(nbytes / leg, lat)
+        links.append(link)
+        devices.append(replace(d, flops=fps / c, step_overhead_s=a, site="measured", link=link))
+    measured = Cluster(f"{base.name}-measured", tuple(devices),
+                       (Site("measured", FAST, FAST),), ps_site="measured")
+    profile = Profile(worker_profiles([d.name for d in base.devices], b,
+                                      [t[0] for t in step_times],
+                                      [lk.transfer_time_s(model_bytes) for lk in links],
+                                      [lk.transfer_time_s(model_bytes) for lk in links]),
+                      model_bytes, model_bytes, "measured")
+    return profile, measured
