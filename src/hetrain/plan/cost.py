@@ -1,0 +1,349 @@
+"""Analytical per-iteration cost of a layer graph under an SBP plan (AutoDDL's performance model).
+
+One training iteration of a stage on mesh M with per-op signatures s_i costs
+
+    T = sum_i compute_i(s_i) + sum_(u->v) [box(out_u -> in_v) + box(din_v -> grad(out_u))]
+        + sum_i sync_i(s_i) + internal_i(s_i) + max_d step_overhead_d
+
+compute_i = c_i * flops_i / (prod of the axis sizes that split op i) / min_d speed_d: a split
+op runs in lockstep, so the slowest mesh member sets the pace; c_i = 3 for weighted ops
+(forward + data grad + weight grad), 2 for the others. The backward boxing of an edge is the
+dual of the forward one (an all-gather forward is a reduce-scatter backward). sync_i converts
+the weight gradient (Partial on every axis where the weight is Broadcast but the work split)
+back to the weight's placement: the data-parallel gradient all-reduce, hierarchical on 2-D
+meshes. Nothing overlaps (an upper bound; real runs overlap some sync with backward).
+
+Memory per device = sum_i param_i (1 + 1 + optimizer_states) / weight split + activation_i /
+activation split (every op output is kept for backward); it must fit the smallest member's
+memory_bytes, or the plan is infeasible.
+
+Pipelines (GPipe): k stages on disjoint meshes, m micro-batches of batch/m. A stage's
+micro-batch time t_s (its own formula above at batch/m, plus sending the boundary activation
+and its gradient over the slowest link to the next stage) repeats m times, and the last
+micro-batch leaves the pipe k-1 slots after the first: T = (m + k - 1) max_s t_s + max_s
+sync_s, i.e. a bubble of (k-1) max_s t_s. All m micro-batches' activations stay in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tomli_w
+import tomllib
+
+from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
+from hetrain.plan.graph import LayerGraph, Op
+from hetrain.plan.sbp import (
+    B,
+    Mesh,
+    NdSbp,
+    NdSignature,
+    Split,
+    grad_placement,
+    mesh_comm,
+    signatures,
+    weight_grad_placement,
+)
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model."""
+
+    optimizer_states: float = 2.0
+    """Optimizer state bytes per parameter byte (Adam: 2, SGD with momentum: 1, SGD: 0)."""
+    keep_activations: bool = True
+    """Count every op output as saved for backward."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_states < 0:
+            raise ConfigError("optimizer_states must be >= 0 (Adam: 2, SGD+momentum: 1)")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Ops (by name, contiguous in the graph) on one mesh, each with its signature name."""
+
+    mesh: Mesh
+    ops: tuple[str, ...]
+    signatures: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete plan: one stage (pure SBP) or a pipeline of stages."""
+
+    graph: str
+    stages: tuple[StagePlan, ...]
+    n_micro: int = 1
+
+    def signature(self, op: str) -> str:
+        for st in self.stages:
+            if op in st.ops:
+                return st.signatures[st.ops.index(op)]
+        raise KeyError(op)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph": self.graph, "n_micro": self.n_micro, "stages": [
+            {"mesh_shape": list(s.mesh.shape), "devices": list(s.mesh.devices),
+             "ops": list(s.ops), "signatures": list(s.signatures)} for s in self.stages]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Plan:
+        try:
+            return Plan(str(d["graph"]), tuple(StagePlan(
+                Mesh(tuple(s["mesh_shape"]), tuple(s["devices"])), tuple(s["ops"]),
+                tuple(s["signatures"])) for s in d["stages"]), int(d.get("n_micro", 1)))
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"plan: missing or malformed key {e}; expected graph, stages "
+                              "[{mesh_shape, devices, ops, signatures}], n_micro") from None
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        text = tomli_w.dumps(self.to_dict()) if p.suffix == ".toml" else json.dumps(self.to_dict(), indent=1)
+        p.write_text(text)
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"plan file '{p}' not found (write one with `hetrain plan --out`)")
+        text = p.read_text()
+        return Plan.from_dict(tomllib.loads(text) if p.suffix == ".toml" else json.loads(text))
+
+
+@dataclass(frozen=True)
+class OpCost:
+    name: str
+    signature: str
+    compute_s: float
+    comm_s: float
+    """Boxing into this op (forward and backward) plus its internal collectives."""
+    sync_s: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class CostReport:
+    time_s: float
+    compute_s: float
+    comm_s: float
+    sync_s: float
+    bubble_s: float
+    memory_bytes: float
+    """Largest per-device memory over the plan's stages."""
+    memory_limit_bytes: float
+    ops: tuple[OpCost, ...]
+
+    @property
+    def feasible(self) -> bool:
+        return self.memory_bytes <= self.memory_limit_bytes
+
+
+def _bias_of(op: Op, w: NdSbp) -> tuple[tuple[int, ...], NdSbp] | None:
+    """The bias (or second LN tensor) as a separate 1-D tensor: split where the weight's output
+    dim is split, else broadcast."""
+    rest = op.param_bytes / op.dtype_bytes - math.prod(op.weight_shape)
+    if rest <= 0:
+        return None
+    return (int(rest),), tuple(Split(0) if s == Split(0) and op.kind != "embedding" else B
+                               for s in w)
+
+
+def _anon(op: Op) -> Op:
+    """The op without its identity: equal for every block of a transformer (a cache key)."""
+    return replace(op, name="", inputs=tuple("" for _ in op.inputs))
+
+
+class StageTables:
+    """Per-op and per-edge cost tables of one graph on one mesh, for fast search.
+
+    node_time[i][s], node_mem[i][s] and edge[e][s_u, s_v] (numpy); identical ops (every block
+    of a transformer) share their tables."""
+
+    def __init__(self, graph: LayerGraph, mesh: Mesh, cluster: Cluster,
+                 options: CostOptions | None = None):
+        self.graph, self.mesh, self.cluster = graph, mesh, cluster
+        self.options = options or CostOptions()
+        self.comm = mesh_comm(cluster, mesh)
+        members = [cluster.devices[d] for d in mesh.devices]
+        self.min_speed = min(d.flops for d in members)
+        self.memory_limit_bytes = min(d.memory_bytes for d in members)
+        self.overhead_s = max(d.step_overhead_s for d in members)
+        cache: dict[Op, tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.sigs, self.compute, self.internal, self.sync, self.mem = [], [], [], [], []
+        for op in graph.ops:
+            key = _anon(op)
+            if key not in cache:
+                cache[key] = self._node(op)
+            sg, c, i, s, m = cache[key]
+            self.sigs.append(sg)
+            self.compute.append(c)
+            self.internal.append(i)
+            self.sync.append(s)
+            self.mem.append(m)
+            if not sg:
+                raise ConfigError(f"op '{op.name}' has no legal signature on mesh {mesh.label}")
+        self.node_time = [c + i + s for c, i, s in zip(self.compute, self.internal, self.sync, strict=True)]
+        self.edges = graph.edges()
+        ecache: dict[tuple[Op, Op, int], np.ndarray] = {}
+        self.edge = []
+        for u, v, slot in self.edges:
+            key2 = (_anon(graph.ops[u]), _anon(graph.ops[v]), slot)
+            if key2 not in ecache:
+                ecache[key2] = self._edge(u, v, slot)
+            self.edge.append(ecache[key2])
+
+    def _node(self, op: Op) -> tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        ms, sigs = self.mesh.shape, signatures(op, self.mesh.shape)
+        factor = 3.0 if op.weight_shape else 2.0
+        comp, inter, sync, mem = (np.zeros(len(sigs)) for _ in range(4))
+        for k, sg in enumerate(sigs):
+            split = math.prod(p for p, a in zip(ms, sg.axes, strict=True) if a.split)
+            comp[k] = factor * op.flops / split / self.min_speed
+            w = sg.weight
+            if w is not None:
+                grad = tuple(weight_grad_placement(a.split, a.weight) for a in sg.axes)
+                sync[k] = self.comm.boxing_s(grad, w, op.weight_shape, op.dtype_bytes)
+                bias = _bias_of(op, w)
+                if bias is not None:
+                    bg = tuple(weight_grad_placement(a.split, bw) for a, bw in zip(sg.axes, bias[1], strict=True))
+                    sync[k] += self.comm.boxing_s(bg, bias[1], bias[0], op.dtype_bytes)
+                wsplit = math.prod(p for p, s in zip(ms, w, strict=True) if isinstance(s, Split))
+                mem[k] += op.param_bytes * (2 + self.options.optimizer_states) / wsplit
+            if op.kind == "cross_entropy":
+                rows = math.prod(op.in_shapes[0]) / op.in_shapes[0][op.fdim]
+                for ax, a in enumerate(sg.axes):
+                    if a.name == "vocab":
+                        local = rows / math.prod(p for j, p in enumerate(ms)
+                                                 if j != ax and isinstance(sg.axes[j].ins[0], Split))
+                        inter[k] += self.comm.collective_s("all_reduce", ax, 3 * local * 4)
+            if self.options.keep_activations and op.out_shape:
+                osplit = math.prod(p for p, s in zip(ms, sg.out, strict=True) if isinstance(s, Split))
+                mem[k] += op.out_bytes / osplit
+        return sigs, comp, inter, sync, mem
+
+    def _edge(self, u: int, v: int, slot: int) -> np.ndarray:
+        pu, _cv = self.graph.ops[u], self.graph.ops[v]
+        shape, dt = pu.out_shape, pu.dtype_bytes
+        m = np.zeros((len(self.sigs[u]), len(self.sigs[v])))
+        for a, su in enumerate(self.sigs[u]):
+            need = tuple(grad_placement(x) for x in su.out)
+            for b, sv in enumerate(self.sigs[v]):
+                m[a, b] = (self.comm.boxing_s(su.out, sv.ins(slot), shape, dt)
+                           + self.comm.boxing_s(sv.din(slot), need, shape, dt))
+        return m
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def time_s(self, assign: list[int] | np.ndarray) -> float:
+        t = sum(float(self.node_time[i][s]) for i, s in enumerate(assign))
+        t += sum(float(self.edge[e][assign[u], assign[v]]) for e, (u, v, _) in enumerate(self.edges))
+        return t + self.overhead_s
+
+    def memory_bytes(self, assign: list[int] | np.ndarray) -> float:
+        return sum(float(self.mem[i][s]) for i, s in enumerate(assign))
+
+    def index_of(self, names: tuple[str, ...]) -> list[int]:
+        """Signature indices from signature names (as a Plan stores them)."""
+        out = []
+        for op, sigs, name in zip(self.graph.ops, self.sigs, names, strict=True):
+            found = [k for k, s in enumerate(sigs) if s.name == name]
+            if not found:
+                raise ConfigError(f"op '{op.name}': signature '{name}' is not legal on mesh "
+                                  f"{self.mesh.label}; legal: {[s.name for s in sigs]}")
+            out.append(found[0])
+        return out
+
+    def op_costs(self, assign: list[int] | np.ndarray) -> list[OpCost]:
+        comm = [float(self.internal[i][s]) for i, s in enumerate(assign)]
+        for e, (u, v, _) in enumerate(self.edges):
+            comm[v] += float(self.edge[e][assign[u], assign[v]])
+        return [OpCost(op.name, self.sigs[i][s].name, float(self.compute[i][s]), comm[i],
+                       float(self.sync[i][s]), float(self.mem[i][s]))
+                for i, (op, s) in enumerate(zip(self.graph.ops, assign, strict=True))]
+
+
+def _boundary_link_s(cluster: Cluster, a: Mesh, b: Mesh, nbytes: float) -> float:
+    links = [cluster.link_between(i, j) for i in a.devices for j in b.devices]
+    return max(lk.latency_s for lk in links) + nbytes / min(lk.bandwidth_Bps for lk in links)
+
+
+def stage_graphs(graph: LayerGraph, plan: Plan) -> list[tuple[int, int]]:
+    """(start, stop) op index ranges of the plan's stages (checked contiguous and complete)."""
+    out, start = [], 0
+    for st in plan.stages:
+        stop = start + len(st.ops)
+        if tuple(op.name for op in graph.ops[start:stop]) != st.ops:
+            raise ConfigError(f"plan stage ops do not match graph '{graph.name}' at op {start}")
+        out.append((start, stop))
+        start = stop
+    if start != len(graph.ops):
+        raise ConfigError(f"plan covers {start} of {len(graph.ops)} ops of graph '{graph.name}'")
+    return out
+
+
+@lru_cache(maxsize=128)
+def stage_tables(graph: LayerGraph, mesh: Mesh, cluster: Cluster,
+                 options: CostOptions | None = None) -> StageTables:
+    """Cached StageTables (search and plan_cost price the same stages again and again)."""
+    return StageTables(graph, mesh, cluster, options)
+
+
+def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
+              options: CostOptions | None = None) -> CostReport:
+    """Predicted iteration time and per-device memory of `plan` (see the module docstring)."""
+    m, k = plan.n_micro, len(plan.stages)
+    if m < 1 or graph.batch % m:
+        raise ConfigError(f"batch {graph.batch} is not divisible by n_micro={m}")
+    micro = graph.scaled(1.0 / m) if m > 1 else graph
+    stage_t, syncs, mems, limits, overheads = [], [], [], [], []
+    ops: list[OpCost] = []
+    for s, ((a, b), st) in enumerate(zip(stage_graphs(graph, plan), plan.stages, strict=True)):
+        tab = stage_tables(micro.subgraph(a, b) if k > 1 else micro, st.mesh, cluster, options)
+        assign = tab.index_of(st.signatures)
+        oc = tab.op_costs(assign)
+        sync = sum(o.sync_s for o in oc)
+        t = tab.time_s(assign) - sync - tab.overhead_s
+        if s + 1 < k:
+            t += 2 * _boundary_link_s(cluster, st.mesh, plan.stages[s + 1].mesh,
+                                      micro.ops[b - 1].out_bytes)
+        mems.append(memory_with_micro(tab, assign, m))
+        stage_t.append(t)
+        syncs.append(sync)
+        limits.append(tab.memory_limit_bytes)
+        overheads.append(tab.overhead_s)
+        ops += oc
+    slowest = max(stage_t)
+    time_s = (m + k - 1) * slowest + max(syncs) + max(overheads)
+    worst = max(range(k), key=lambda j: mems[j] - limits[j])
+    return CostReport(time_s, sum(o.compute_s for o in ops) * m, sum(o.comm_s for o in ops) * m,
+                      max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
+
+
+def memory_with_micro(tab: StageTables, assign: list[int], m: int) -> float:
+    """Per-device memory with m micro-batches' activations alive (GPipe)."""
+    total = 0.0
+    for i, s in enumerate(assign):
+        op, sg = tab.graph.ops[i], tab.sigs[i][s]
+        act = 0.0
+        if tab.options.keep_activations and op.out_shape:
+            osplit = math.prod(p for p, x in zip(tab.mesh.shape, sg.out, strict=True)
+                               if isinstance(x, Split))
+            act = op.out_bytes / osplit
+        total += float(tab.mem[i][s]) - act + act * m
+    return total
+
+
+def plan_summary(report: CostReport) -> dict[str, Any]:
+    """A JSON-friendly summary (no per-op rows)."""
+    d = asdict(report)
+    d.pop("ops")
+    d["feasible"] = report.feasible
+    return d

@@ -1,0 +1,360 @@
+"""Plan search: coordinate descent over per-op SBP signatures, exhaustive search to check it.
+
+The objective of one stage is separable into node and edge terms (cost.StageTables), so
+re-picking one op's signature with its neighbours fixed is a vector argmin (OneFlow/AutoDDL's
+coordinate descent). Single-op moves get stuck where two ops must change together (data
+parallel -> Megatron's column + row pair costs more after either half alone), so each sweep
+also re-picks both ends of every edge jointly (a |S_u| x |S_v| argmin). Sweeps run until no
+move improves; restarts from data parallel, fully replicated, least-memory and random
+assignments keep the best. Memory is a hard limit: a score is the time when the plan fits,
+else 1e12 + the excess bytes, so any feasible plan beats every infeasible one.
+
+The outer search tries candidate meshes (1-D over all devices, sites x local 2-D meshes with
+the inner axis inside a site, 2-D factorisations of a single site, each site alone, the
+fastest 2^k devices: a lockstep mesh runs at its slowest member's pace) and GPipe pipelines
+(device groups by site or by speed, layers cut at single-tensor boundaries balanced on group
+capacity), and returns the fastest feasible plan with the data-parallel baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
+from hetrain.plan.cost import (
+    CostOptions,
+    CostReport,
+    Plan,
+    StagePlan,
+    StageTables,
+    plan_cost,
+    stage_tables,
+)
+from hetrain.plan.graph import LayerGraph
+from hetrain.plan.sbp import Mesh
+
+INFEASIBLE = 1e12
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    restarts: int = 4
+    """Coordinate-descent starts per mesh (data parallel, replicated, least memory, random...)."""
+    max_sweeps: int = 50
+    pair_moves: bool = True
+    """Also re-pick both ends of each edge jointly."""
+    pipeline: bool = True
+    """Also try GPipe pipelines over device groups."""
+    subsets: bool = True
+    """Also try meshes over the fastest devices only and over single sites."""
+    seed: int = 0
+
+
+def scores(tab: StageTables, time_s: np.ndarray, mem: np.ndarray) -> np.ndarray:
+    lim = tab.memory_limit_bytes
+    return np.where(mem <= lim, time_s, INFEASIBLE + (mem - lim))
+
+
+def score(tab: StageTables, assign: list[int]) -> float:
+    return float(scores(tab, np.array(tab.time_s(assign)), np.array(tab.memory_bytes(assign))))
+
+
+def named_assignment(tab: StageTables, prefer: tuple[str, ...]) -> list[int]:
+    """Per op, the first signature whose axes all use a name in `prefer` order, e.g. ("dp",
+    "rep") gives the data-parallel start (replicated where dp is illegal)."""
+    out = []
+    for sigs in tab.sigs:
+        ranks = [sum(prefer.index(a.name) if a.name in prefer else len(prefer) for a in s.axes)
+                 for s in sigs]
+        out.append(int(np.argmin(ranks)))
+    return out
+
+
+def coordinate_descent(tab: StageTables, start: list[int], max_sweeps: int = 50,
+                       pair_moves: bool = True) -> tuple[list[int], float]:
+    a = list(start)
+    n = len(a)
+    adj: list[list[tuple[int, bool]]] = [[] for _ in range(n)]
+    for e, (u, v, _) in enumerate(tab.edges):
+        adj[u].append((e, True))
+        adj[v].append((e, False))
+    mem_total = tab.memory_bytes(a)
+    pairs = [(min(u, v), max(u, v)) for u, v, _ in tab.edges]
+    parallel = {e for e, pr in enumerate(pairs) if pairs.count(pr) > 1}  # joint move skipped
+
+    def op_vec(i: int, skip: int = -1) -> np.ndarray:
+        t = tab.node_time[i].copy()
+        for e, is_src in adj[i]:
+            if e == skip:
+                continue
+            u, v, _ = tab.edges[e]
+            t += tab.edge[e][:, a[v]] if is_src else tab.edge[e][a[u], :]
+        return t
+
+    for _ in range(max_sweeps):
+        improved = False
+        for i in range(n):
+            mem = mem_total - tab.mem[i][a[i]] + tab.mem[i]
+            sc = scores(tab, op_vec(i), mem)
+            k = int(np.argmin(sc))
+            if sc[k] < sc[a[i]] - 1e-12 * max(1.0, abs(sc[a[i]])):
+                mem_total, a[i], improved = float(mem[k]), k, True
+        if pair_moves:
+            for e, (u, v, _) in enumerate(tab.edges):
+                if u == v:
+                    continue
+                if e in parallel:
+                    continue
+                tm = op_vec(u, e)[:, None] + op_vec(v, e)[None, :] + tab.edge[e]
+                mm = (mem_total - tab.mem[u][a[u]] - tab.mem[v][a[v]]
+                      + tab.mem[u][:, None] + tab.mem[v][None, :])
+                sc = scores(tab, tm, mm)
+                ku, kv = np.unravel_index(int(np.argmin(sc)), sc.shape)
+                if sc[ku, kv] < sc[a[u], a[v]] - 1e-12 * max(1.0, abs(sc[a[u], a[v]])):
+                    mem_total, a[u], a[v], improved = float(mm[ku, kv]), int(ku), int(kv), True
+        if not improved:
+            break
+    return a, score(tab, a)
+
+
+def exhaustive(tab: StageTables, max_states: int = 2_000_000) -> tuple[list[int], float]:
+    """The exact optimum by enumerating every assignment (numpy broadcasting)."""
+    sizes = [len(s) for s in tab.sigs]
+    if math.prod(sizes) > max_states:
+        raise ValueError(f"{math.prod(sizes)} assignments exceed max_states={max_states}")
+    n = len(sizes)
+
+    def along(vec: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        shape = [1] * n
+        for ax, sz in zip(axes, vec.shape, strict=True):
+            shape[ax] = sz
+        return vec.reshape(shape)
+
+    t = np.full(sizes, tab.overhead_s)
+    m = np.zeros(sizes)
+    for i in range(n):
+        t = t + along(tab.node_time[i], (i,))
+        m = m + along(tab.mem[i], (i,))
+    for e, (u, v, _) in enumerate(tab.edges):
+        mat = tab.edge[e] if u < v else tab.edge[e].T
+        t = t + along(mat, (min(u, v), max(u, v)))
+    sc = scores(tab, t, m)
+    idx = np.unravel_index(int(np.argmin(sc)), sc.shape)
+    return [int(k) for k in idx], float(sc[idx])
+
+
+def search_stage(tab: StageTables, options: SearchOptions | None = None) -> tuple[list[int], float]:
+    """Best of coordinate descent from several starts."""
+    o = options or SearchOptions()
+    rng = np.random.default_rng(o.seed)
+    starts = [named_assignment(tab, ("dp", "rep")), named_assignment(tab, ("rep",)),
+              [int(np.argmin(m)) for m in tab.mem]]
+    while len(starts) < o.restarts:
+        starts.append([int(rng.integers(len(s))) for s in tab.sigs])
+    best: tuple[list[int], float] | None = None
+    for st in starts[:max(1, o.restarts)]:
+        res = coordinate_descent(tab, st, o.max_sweeps, o.pair_moves)
+        if best is None or res[1] < best[1]:
+            best = res
+    assert best is not None
+    return best
+
+
+# ---- candidate meshes and pipelines -----------------------------------------------------------
+def _by_site(cluster: Cluster) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {s.name: [] for s in cluster.sites}
+    for i, d in enumerate(cluster.devices):
+        out[d.site].append(i)
+    return {k: v for k, v in out.items() if v}
+
+
+def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
+    sites = _by_site(cluster)
+    order = tuple(i for v in sites.values() for i in v)
+    n, meshes = cluster.n, [Mesh((cluster.n,), order)]
+    counts = {len(v) for v in sites.values()}
+    per = counts.pop() if len(counts) == 1 else 0
+    if len(sites) == 1:
+        meshes += [Mesh((a, n // a), order) for a in range(2, n // 2 + 1) if n % a == 0]
+    elif per > 1:  # rows inside a site: the inner axis stays on the LAN
+        meshes += [Mesh((n // b, b), order) for b in range(2, per + 1) if per % b == 0]
+    if subsets:
+        if len(sites) > 1:
+            meshes += [Mesh((len(v),), tuple(v)) for v in sites.values()]
+        speeds = {d.flops for d in cluster.devices}
+        if len(speeds) > 1:
+            fast = sorted(range(n), key=lambda i: (-cluster.devices[i].flops, i))
+            k = 1
+            while k < n:
+                sel = sorted(fast[:k], key=lambda i: (order.index(i)))
+                meshes.append(Mesh((k,), tuple(sel)))
+                k *= 2
+    seen, out = set(), []
+    for m in meshes:
+        if (m.shape, m.devices) not in seen:
+            seen.add((m.shape, m.devices))
+            out.append(m)
+    return out
+
+
+def _balanced_cuts(graph: LayerGraph, capacity: list[float]) -> list[int] | None:
+    """k-1 cut indices minimising max_s flops_s / capacity_s (exhaustive over cut points)."""
+    k, cuts = len(capacity), graph.cut_points()
+    if len(cuts) < k - 1:
+        return None
+    pre = np.cumsum([op.flops for op in graph.ops])
+    best, best_cuts = math.inf, None
+    combos = itertools.combinations(cuts, k - 1) if math.comb(len(cuts), k - 1) <= 20000 else []
+    for c in combos:
+        bounds = [-1, *c, len(graph.ops) - 1]
+        loads = [(pre[bounds[j + 1]] - (pre[bounds[j]] if bounds[j] >= 0 else 0)) / capacity[j]
+                 for j in range(k)]
+        if max(loads) < best:
+            best, best_cuts = max(loads), list(c)
+    return best_cuts
+
+
+def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
+    sites = list(_by_site(cluster).values())
+    out = []
+    if len(sites) > 1:
+        out.append(sites)
+        if len(sites) % 2 == 0 and len(sites) > 2:
+            out.append([sites[j] + sites[j + 1] for j in range(0, len(sites), 2)])
+    by_speed = sorted(range(cluster.n), key=lambda i: (cluster.devices[i].flops, i))
+    for k in (2, 4):
+        if cluster.n % k == 0 and cluster.n >= k:
+            c = cluster.n // k
+            out.append([sorted(by_speed[j * c:(j + 1) * c]) for j in range(k)])
+    return out
+
+
+def data_parallel_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh | None = None,
+                       options: CostOptions | None = None) -> Plan:
+    """Pure data parallelism over `mesh` (default: all devices): dp where legal, else rep."""
+    mesh = mesh or candidate_meshes(cluster, subsets=False)[0]
+    tab = stage_tables(graph, mesh, cluster, options)
+    return to_plan(graph, [(tab, named_assignment(tab, ("dp", "rep")))])
+
+
+def to_plan(graph: LayerGraph, stages: list[tuple[StageTables, list[int]]], n_micro: int = 1) -> Plan:
+    return Plan(graph.name, tuple(StagePlan(t.mesh, tuple(op.name for op in t.graph.ops),
+                                            tuple(t.sigs[i][s].name for i, s in enumerate(a)))
+                                  for t, a in stages), n_micro)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plan: Plan
+    report: CostReport
+    baseline: Plan
+    baseline_report: CostReport
+    candidates: tuple[tuple[str, float, bool], ...]
+    """(description, predicted time_s, fits in memory) of every candidate tried."""
+    search_time_s: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted speed-up over the data-parallel baseline."""
+        return self.baseline_report.time_s / self.report.time_s
+
+
+def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | None = None,
+                cost_options: CostOptions | None = None) -> SearchResult:
+    o = options or SearchOptions()
+    t0 = time.perf_counter()
+    found: list[tuple[Plan, str]] = []
+    for mesh in candidate_meshes(cluster, o.subsets):
+        try:
+            tab = stage_tables(graph, mesh, cluster, cost_options)
+        except ConfigError:
+            continue
+        a, _ = search_stage(tab, o)
+        found.append((to_plan(graph, [(tab, a)]), f"mesh {mesh.label} {list(mesh.devices)}"))
+    if o.pipeline:
+        for groups in _pipeline_groups(cluster):
+            found += _search_pipeline(graph, cluster, groups, o, cost_options)
+    if not found:
+        raise ConfigError(f"no plan for '{graph.name}' on '{cluster.name}': no mesh admits it")
+    reports = [(plan_cost(graph, p, cluster, cost_options), p, d) for p, d in found]
+    rank = sorted(reports, key=lambda r: (not r[0].feasible, r[0].time_s if r[0].feasible
+                                          else r[0].memory_bytes - r[0].memory_limit_bytes))
+    base = data_parallel_plan(graph, cluster, options=cost_options)
+    return SearchResult(rank[0][1], rank[0][0], base, plan_cost(graph, base, cluster, cost_options),
+                        tuple((d, r.time_s, r.feasible) for r, _, d in reports),
+                        time.perf_counter() - t0)
+
+
+def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]],
+                     o: SearchOptions, cost_options: CostOptions | None) -> list[tuple[Plan, str]]:
+    k = len(groups)
+    cap = [len(g) * min(cluster.devices[i].flops for i in g) for g in groups]
+    cuts = _balanced_cuts(graph, cap)
+    if cuts is None:
+        return []
+    bounds = [0, *(c + 1 for c in cuts), len(graph.ops)]
+    out = []
+    for m in (k, 2 * k, 4 * k):
+        if graph.batch % m:
+            continue
+        micro = graph.scaled(1.0 / m)
+        stages = []
+        for j, g in enumerate(groups):
+            tab = stage_tables(micro.subgraph(bounds[j], bounds[j + 1]), Mesh((len(g),), tuple(g)),
+                              cluster, cost_options)
+            stages.append((tab, search_stage(tab, o)[0]))
+        plan = to_plan(graph, stages, m)
+        desc = f"pipeline {k} stages x {m} micro {[len(g) for g in groups]}"
+        out.append((plan, desc))
+    return out
+
+
+# ---- hand-written plans (baselines, tests, benchmarks) ---------------------------------------
+_TP_RULES = (("*.attn.[qkv]", "col"), ("*.attn.core", "heads"), ("*.attn.proj", "row"),
+             ("*.mlp.fc", "col"), ("*.mlp.gelu", "feat"), ("*.mlp.proj", "row"),
+             ("head", "col"), ("loss", "vocab"), ("classifier.0", "col"),
+             ("classifier.1", "feat"), ("classifier.2", "row"))
+TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
+    "dp": (("*", "dp"),),
+    "tp": (*_TP_RULES, ("*", "rep")),
+    "mixed": (*(r for r in _TP_RULES if "attn" not in r[0]), ("loss", "rep"), ("*", "dp")),
+}
+"""Rule lists (fnmatch pattern, 1-D signature): dp = data parallel; tp = Megatron tensor
+parallelism (column/row pairs, head-parallel attention, vocab-parallel head) with everything
+else replicated; mixed = data parallel with tensor-parallel MLP/classifier."""
+
+
+def rule_plan(graph: LayerGraph, mesh: Mesh, rules_per_axis: tuple[tuple[tuple[str, str], ...], ...],
+              name: str = "") -> Plan:
+    """A plan from per-axis rule lists (first matching pattern wins; an axis whose choice is
+    illegal for an op falls back to "dp", then "rep", keeping the outer axes' choices first)."""
+    import fnmatch
+
+    from hetrain.plan.sbp import signatures
+
+    if len(rules_per_axis) != len(mesh.shape):
+        raise ConfigError(f"{len(rules_per_axis)} rule lists for a {len(mesh.shape)}-D mesh")
+    names = []
+    for op in graph.ops:
+        legal = {s.name for s in signatures(op, mesh.shape)}
+        per_axis = [next((s for pat, s in rules if fnmatch.fnmatchcase(op.name, pat)), "dp")
+                    for rules in rules_per_axis]
+        options = [list(dict.fromkeys((c, "dp", "rep"))) for c in per_axis]
+        names.append(next((",".join(c) for c in itertools.product(*options) if ",".join(c) in legal),
+                          sorted(legal)[0]))
+    return Plan(name or graph.name, (StagePlan(mesh, tuple(op.name for op in graph.ops), tuple(names)),))
+
+
+def template_plan(graph: LayerGraph, mesh: Mesh, template: str) -> Plan:
+    """"dp", "tp", "mixed" on a 1-D mesh; "dp-tp" (outer dp, inner tp) or "dp-mixed" on 2-D."""
+    parts = template.split("-")
+    if any(p not in TEMPLATES for p in parts) or len(parts) != len(mesh.shape):
+        raise ConfigError(f"template '{template}' does not fit a {len(mesh.shape)}-D mesh; use "
+                          f"one of {sorted(TEMPLATES)} per axis joined by '-', e.g. 'dp-tp'")
+    return rule_plan(graph, mesh, tuple(TEMPLATES[p] for p in parts), graph.name)
