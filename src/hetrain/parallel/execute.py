@@ -1,0 +1,156 @@
+"""Execute a single-stage SBP plan with DTensor: every parameter and activation a DTensor.
+
+Placements map one to one: Split(d) -> Shard(d), Broadcast -> Replicate(), Partial ->
+Partial(). For each op of the plan that is a module of the model (linear, conv, embedding,
+layer norm, activation/pool modules) its parameters are distributed with the signature's
+weight placement (a bias follows a weight split on the output dim, else it is replicated)
+and a forward pre-hook redistributes its input to the signature's input placement: that
+`redistribute` is the boxing the cost model charges (its autograd backward the backward
+boxing). Functional code between modules (residual adds, GELU, attention) runs on DTensors
+with DTensor's own sharding propagation, so it is correct for any plan; its communication
+follows DTensor, which can differ from the model's choice for those ops. Data parallelism is
+Shard(0) inputs with Replicate weights: their gradients come back Partial and `step`
+redistributes them to the weights' placements (the gradient all-reduce) before the update.
+
+Modules the graph does not name (position embedding, dropout) keep replicated parameters;
+their plain-tensor inputs are made replicated DTensors. Pipeline plans are not executed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hetrain.errors import ConfigError
+from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
+from hetrain.plan.cost import Plan
+from hetrain.plan.graph import LayerGraph, Op
+from hetrain.plan.sbp import Broadcast, NdSbp, NdSignature, Split, signatures
+
+
+def to_placements(nd: NdSbp) -> list[Placement]:
+    return [Shard(s.dim) if isinstance(s, Split) else Replicate() if isinstance(s, Broadcast)
+            else Partial() for s in nd]
+
+
+def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: list[Placement]) -> Tensor:
+    if isinstance(x, DTensor):
+        return x if list(x.placements) == placements else x.redistribute(mesh, placements)
+    # every rank holds the same global tensor (same seed, same batch): slice locally, no comm
+    plain = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    return distribute_tensor(x, mesh, plain, src_data_rank=None)
+
+
+def resolve_signatures(graph: LayerGraph, plan: Plan) -> dict[str, NdSignature]:
+    if len(plan.stages) != 1:
+        raise ConfigError("the DTensor executor runs single-stage plans; this plan has "
+                          f"{len(plan.stages)} pipeline stages (plan with --no-pipeline)")
+    st = plan.stages[0]
+    out = {}
+    for op, name in zip(graph.ops, st.signatures, strict=True):
+        legal = {s.name: s for s in signatures(op, st.mesh.shape)}
+        if name not in legal:
+            raise ConfigError(f"op '{op.name}': signature '{name}' is not legal on mesh "
+                              f"{st.mesh.label}; legal: {sorted(legal)}")
+        out[op.name] = legal[name]
+    return out
+
+
+def _param_placements(op: Op, sig: NdSignature, pname: str) -> list[Placement]:
+    w = sig.weight
+    if w is None or op.kind == "layernorm":
+        return [Replicate()] * len(sig.axes)
+    if pname == "weight":
+        return to_placements(w)
+    return [Shard(0) if s == Split(0) and op.kind in ("linear", "conv") else Replicate() for s in w]
+
+
+class PlanExecutor:
+    """A model made plan-parallel in place: call `step(x, y)` on every rank with the same
+    global batch; it returns the global mean loss (same value on every rank)."""
+
+    def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan, mesh: DeviceMesh,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor]):
+        register_cpu_sdpa_sharding()
+        self.sigs = resolve_signatures(graph, plan)
+        if tuple(mesh.shape) != plan.stages[0].mesh.shape:
+            raise ConfigError(f"device mesh {tuple(mesh.shape)} does not match the plan's "
+                              f"{plan.stages[0].mesh.shape}")
+        self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
+        ops = {op.name: op for op in graph.ops}
+        self.loss_sig = self.sigs[graph.ops[-1].name] if graph.ops[-1].kind == "cross_entropy" else None
+        self._hooks = []
+        for name, mod in model.named_modules():
+            op = ops.get(name)
+            if op is not None:
+                sig = self.sigs[name]
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    d = distribute_tensor(p.detach(), mesh, _param_placements(op, sig, pname))
+                    mod.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
+                self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(to_placements(sig.ins(0)))))
+            elif not list(mod.children()) and list(mod.parameters(recurse=False)):
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    d = distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim)
+                    mod.register_parameter(pname, nn.Parameter(d, requires_grad=p.requires_grad))
+                self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(None)))
+
+    def _pre_hook(self, placements: list[Placement] | None) -> Callable[..., Any]:
+        mesh = self.mesh
+
+        def hook(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            target = placements if placements is not None else (
+                None if isinstance(x, DTensor) else [Replicate()] * mesh.ndim)
+            if target is None or not isinstance(x, Tensor):
+                return args
+            return (_as_dtensor(x, mesh, target), *args[1:])
+
+        return hook
+
+    def _loss(self, out: Tensor, y: Tensor) -> Tensor:
+        if self.loss_sig is None:
+            return self.loss_fn(out, _as_dtensor(y, self.mesh, [Replicate()] * self.mesh.ndim))
+        ins = self.loss_sig.ins(0)
+        out = _as_dtensor(out, self.mesh, to_placements(ins))
+        y_pl = [Shard(0) if s == Split(0) else Replicate() for s in ins]
+        return self.loss_fn(out, _as_dtensor(y, self.mesh, y_pl))
+
+    def _context(self) -> contextlib.AbstractContextManager[Any]:
+        vocab = self.loss_sig is not None and any(a.name == "vocab" for a in self.loss_sig.axes)
+        return loss_parallel() if vocab else contextlib.nullcontext()
+
+    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        with self._context():
+            loss = self._loss(self.model(x), y)
+            loss.backward()
+        for p in self.model.parameters():  # gradient synchronisation: Partial -> placement
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        return loss
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward(x, y)
+        optimizer.step()
+        full = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return float(full.detach())
+
+    def full_state(self) -> dict[str, Tensor]:
+        """Gathered parameters (collective: call on every rank)."""
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in self.model.state_dict().items()}
