@@ -1,0 +1,434 @@
+"""The Python API: bring your own nn.Module and Dataset, train them on a heterogeneous cluster.
+
+    import hetrain
+    result = hetrain.train(model=Net(), dataset=train_set, test_dataset=test_set,
+                           optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                           cluster="hetero-4", strategy="local_sgd", batch_size=32,
+                           max_epochs=5, target_accuracy=0.9)
+    result.summary["tta_s"], result.summary["hardware_efficiency"], result.model
+
+`train` builds the same validated RunConfig a TOML file gives (so every option has the name and
+the checks of the config reference, docs/config.md) and runs it on the same engines as
+`hetrain run`: "sim" (virtual clock, in this process) or "dist" (real processes; under torchrun
+every rank makes the same call). Nothing here is a second training loop.
+
+Any map-style Dataset whose items are (input, target) pairs and any nn.Module work:
+`make_workload` wraps them in a `hetrain.workloads.Workload`. Workers need identical fresh
+copies of the model, so an instance is snapshotted (deep-copied, on the CPU) at the call and
+copied again for every replica; a zero-argument factory (a class, a functools.partial) is called
+under the run's seed instead. For `engine="dist"` without torchrun the workers are spawned
+processes, so the model, the data set and the loss must be picklable (module-level classes and
+functions; guard the script with `if __name__ == "__main__":`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import pickle
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
+
+from hetrain.cluster import Cluster
+from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
+from hetrain.engine.sim import ProgressFn
+from hetrain.errors import ConfigError
+from hetrain.report.metrics import RunResult
+from hetrain.strategies import Strategy, make_strategy
+from hetrain.workloads import Workload, cross_entropy, sample_bytes_of
+
+ModelSpec = nn.Module | Callable[[], nn.Module]
+TASKS = ("classification", "language_model")
+_TORCH_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+_SUPPORTED_KWARGS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"},
+                     "adam": {"lr", "weight_decay"}, "adamw": {"lr", "weight_decay"}}
+
+
+@dataclass
+class TrainResult(RunResult):
+    """A RunResult (rows, summary, run_dir, tta_s, final_accuracy) plus the trained model."""
+
+    model: nn.Module | None = None
+    """The final global model (on the dist engine: read back from the run's checkpoint; None
+    on a torchrun worker rank, which returns no metrics either)."""
+
+
+# ---- wrapping the user's model and data -------------------------------------------------------
+def _first_item(dataset: Any, what: str) -> tuple[Tensor, Tensor]:
+    """Check that `dataset` is a non-empty map-style set of (input, target); collate item 0."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__")
+                                                    and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{what} must be a map-style torch Dataset (with __len__ and "
+                          f"__getitem__), got {type(dataset).__name__}; wrap an iterable data "
+                          "set in a list or a Dataset class that indexes it")
+    if len(dataset) == 0:
+        raise ConfigError(f"{what} is empty")
+    item = dataset[0]
+    if not isinstance(item, tuple | list) or len(item) != 2:
+        raise ConfigError(f"{what}[0] must be an (input, target) pair, got "
+                          f"{type(item).__name__}; return `x, y` from __getitem__")
+    x, y = default_collate([tuple(item)])
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor):
+        raise ConfigError(f"{what}[0] must hold tensors or numbers, got "
+                          f"({type(item[0]).__name__}, {type(item[1]).__name__})")
+    return x, y
+
+
+def _model_factory(model: ModelSpec) -> Callable[[], nn.Module]:
+    if isinstance(model, nn.Module):
+        # Snapshot now: later changes to the caller's instance must not leak into the run.
+        return functools.partial(copy.deepcopy, copy.deepcopy(model).cpu())
+    if callable(model):
+        return model
+    raise ConfigError(f"model must be an nn.Module or a zero-argument callable returning one, "
+                      f"got {type(model).__name__}")
+
+
+def _split(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """A seeded random (train, held-out) split as Subsets (which `gather` indexes fast)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    n_test = max(1, round(n * fraction))
+    if n - n_test < 1:
+        raise ConfigError(f"dataset has {n} samples: too few to hold out a test set; pass "
+                          "test_dataset=")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(dataset, sorted(perm[n_test:])), Subset(dataset, sorted(perm[:n_test]))
+
+
+def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | None = None, *,
+                  loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+                  task: str = "classification", name: str | None = None,
+                  test_fraction: float = 0.1, seed: int = 0) -> Workload:
+    """Wrap a user's model and map-style data set(s) into a Workload the engines run.
+
+    test_dataset None holds out a seeded `test_fraction` of `dataset`. loss_fn(output, target)
+    must return the mean loss (default: cross-entropy, per token for a language model).
+    Accuracy is argmax(output) == target, per token for task="language_model"; for other
+    tasks stop on a loss target (target_loss) instead. The model is checked on two samples
+    here, so a shape mismatch fails now with the shapes named, not in a worker.
+    """
+    if task not in TASKS:
+        raise ConfigError(f"task = {task!r} is not allowed; choose one of: {', '.join(TASKS)}")
+    build = _model_factory(model)
+    x0, y0 = _first_item(dataset, "dataset")
+    if test_dataset is None:
+        if not 0 < test_fraction < 1:
+            raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        dataset, test_dataset = _split(dataset, test_fraction, seed)
+    else:
+        _first_item(test_dataset, "test_dataset")
+    loss_fn = cross_entropy if loss_fn is None else loss_fn
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
+    n = min(2, len(dataset))  # type: ignore[arg-type]
+    x, y = default_collate([tuple(dataset[i]) for i in range(n)])
+    with torch.random.fork_rng(devices=[]):  # the probe must not move the caller's RNG
+        probe = build()
+        if not isinstance(probe, nn.Module):
+            raise ConfigError(f"the model factory returned {type(probe).__name__}, not an "
+                              "nn.Module")
+        if not any(p.requires_grad for p in probe.parameters()):
+            raise ConfigError(f"model {type(probe).__name__} has no trainable parameters")
+        try:
+            out = probe.train()(x)
+            loss = loss_fn(out, y)
+        except Exception as e:
+            raise ConfigError(f"model/loss_fn failed on a batch of {n} samples (input shape "
+                              f"{tuple(x.shape)}, target shape {tuple(y.shape)}): {e}") from e
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ConfigError("loss_fn must return a scalar tensor (the mean loss over the batch)")
+    num_classes = int(out.shape[-1]) if out.dim() > 1 else 1
+    # The flops cache is keyed on (name, model_options, ...): fingerprint the architecture so
+    # two user models of the same class but different sizes are not confused.
+    arch = hashlib.sha1(repr(probe).encode()).hexdigest()[:12]
+    model_name = getattr(model, "__name__", None) or type(probe).__name__
+    return Workload(
+        name=name or f"{type(dataset).__name__}-{model_name}".lower(), train=dataset,
+        test=test_dataset, build_model=build, loss_fn=loss_fn, task=task,  # type: ignore[arg-type]
+        num_classes=num_classes, sample_bytes=sample_bytes_of(x0[0], y0[0]),
+        input_shape=tuple(x0.shape[1:]), model_options={"architecture": arch},
+        meta={"source": "hetrain.api", "model_class": type(probe).__qualname__})
+
+
+# ---- options ----------------------------------------------------------------------------------
+def _optimizer_table(optimizer: Any) -> dict[str, Any]:
+    """A dict, a torch optimizer class, (class, kwargs) or functools.partial(class, **kwargs)
+    -> the [optimizer] table. The engines rebuild the optimizer on every replica from it, so
+    only SGD, Adam and AdamW (and their configurable options) are accepted."""
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, Mapping):
+        return dict(optimizer)
+    cls, kwargs = optimizer, {}
+    if isinstance(optimizer, functools.partial):
+        cls, kwargs = optimizer.func, dict(optimizer.keywords)
+    elif isinstance(optimizer, tuple) and len(optimizer) == 2:
+        cls, kwargs = optimizer[0], dict(optimizer[1])
+    name = _TORCH_OPTIMIZERS.get(cls)  # type: ignore[call-overload]
+    if name is None:
+        raise ConfigError(f"optimizer {optimizer!r} is not supported; give a dict like "
+                          "{'name': 'sgd', 'lr': 0.05} or one of torch.optim.SGD, Adam, AdamW "
+                          "(as a class, (class, kwargs) or functools.partial)")
+    if unknown := sorted(set(kwargs) - _SUPPORTED_KWARGS[name]):
+        raise ConfigError(f"optimizer {cls.__name__}: option(s) {unknown} are not supported; "
+                          f"allowed: {sorted(_SUPPORTED_KWARGS[name])}")
+    return {"name": name, **kwargs}
+
+
+def _strategy(strategy: str | Mapping[str, Any] | Strategy
+              ) -> tuple[dict[str, Any], Strategy | None]:
+    """The [strategy] table for the record, and the instance to run if one was given."""
+    if isinstance(strategy, Strategy):
+        opts = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.init}
+        return {"name": strategy.name, **opts}, strategy
+    if isinstance(strategy, str):
+        return {"name": strategy}, None
+    if isinstance(strategy, Mapping) and "name" in strategy:
+        return dict(strategy), None
+    raise ConfigError(f"strategy must be a registered name, a table with a 'name' key or a "
+                      f"Strategy instance, got {strategy!r}")
+
+
+def _cluster(cluster: str | Path | Cluster | Mapping[str, Any]
+             ) -> tuple[str | dict[str, Any], Cluster | None]:
+    if isinstance(cluster, Cluster):
+        return cluster.to_dict(), cluster
+    if isinstance(cluster, Path) or (isinstance(cluster, str) and cluster.endswith(".toml")):
+        return str(Path(cluster).resolve()), None
+    if isinstance(cluster, str):
+        return cluster, None
+    if isinstance(cluster, Mapping):
+        return dict(cluster), None
+    raise ConfigError(f"cluster must be a preset name, a path to a cluster TOML, a table or a "
+                      f"hetrain.Cluster, got {type(cluster).__name__}")
+
+
+def _printing_progress(name: str) -> ProgressFn:
+    def show(fraction: float, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            print(f"[{name}] {fraction:4.0%}  t={row['time_s']:8.2f}s  epoch={row['epoch']:5.2f}"
+                  f"  test_loss={row['test_loss']:.4f}  test_acc={row['test_accuracy']:.4f}",
+                  flush=True)
+    return show
+
+
+# ---- training ---------------------------------------------------------------------------------
+def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = None,
+          loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+          task: str = "classification", optimizer: Any = None,
+          cluster: str | Path | Cluster | Mapping[str, Any] = "hetero-4",
+          strategy: str | Mapping[str, Any] | Strategy = "cadp", engine: str = "sim",
+          batch_size: int = 32, stop: Mapping[str, Any] | None = None,
+          max_epochs: float | None = None, target_accuracy: float | None = None,
+          target_loss: float | None = None, seed: int = 0, name: str = "train",
+          runs_dir: str | Path | None = None, progress: bool | ProgressFn = False,
+          config: Mapping[str, Mapping[str, Any]] | None = None) -> TrainResult:
+    """Train `model` on `dataset` across `cluster` with `strategy`; return metrics and model.
+
+    - optimizer: {"name": "sgd"|"adam"|"adamw", "lr": ..., ...} (the [optimizer] table), or
+      torch.optim.SGD / Adam / AdamW as a class, (class, kwargs) or functools.partial.
+    - cluster: a preset ("homo-4", "hetero-4", "hetero-8", "geo-16"), a cluster TOML path, a
+      table, or a hetrain.Cluster. strategy: a registered name (see hetrain.strategies.REGISTRY,
+      user strategies included), a table {"name": ..., **options}, or a Strategy instance.
+    - batch_size: the reference per-worker batch (DDP's per-rank batch); strategies that
+      balance load derive each device's batch from it.
+    - stop: the [stop] table; max_epochs / target_accuracy / target_loss override its keys.
+      TTA (summary["tta_s"]) is the first evaluation time at which the target is reached.
+    - runs_dir: write runs_dir/<name>/metrics.jsonl and summary.json (None: no files).
+    - progress: True prints a line per evaluation; or a callback (fraction, row | None).
+    - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
+      "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
+    """
+    doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
+                    optimizer=optimizer, batch_size=batch_size, seed=seed, stop=stop,
+                    config=config, max_epochs=max_epochs, target_accuracy=target_accuracy,
+                    target_loss=target_loss)
+    strategy_instance = _strategy(strategy)[1]
+    cfg = config_from_dict(doc)
+    from hetrain.cluster import load_cluster
+
+    cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
+    strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
+    workload = make_workload(model, dataset, test_dataset, loss_fn=loss_fn, task=task, seed=seed)
+    cfg = cfg.replace(workload=WorkloadConfig(
+        model=f"user:{workload.meta['model_class']}", dataset=f"user:{type(dataset).__name__}"))
+    fn = _printing_progress(name) if progress is True else (progress or None)
+    threads = torch.get_num_threads()
+    try:
+        if cfg.engine == "sim":
+            return _train_sim(cfg, cluster_obj, workload, strategy_obj, runs_dir, fn)
+        return _train_dist(cfg, cluster_obj, workload, strategy_obj, runs_dir, fn)
+    finally:
+        torch.set_num_threads(threads)  # prepare() sets cfg.train.threads for the run
+
+
+def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer: Any,
+              batch_size: int, seed: int, stop: Mapping[str, Any] | None,
+              config: Mapping[str, Mapping[str, Any]] | None, **stop_keys: Any) -> dict[str, Any]:
+    """The run config document train() validates with config_from_dict."""
+    extra = {k: dict(v) for k, v in (config or {}).items()}
+    if bad := sorted(set(extra) - {"train", "stop", "optimizer", "dist"}):
+        raise ConfigError(f"config: table(s) {bad} cannot be given here; pass model, dataset, "
+                          "cluster, strategy and engine as arguments (allowed tables: train, "
+                          "stop, optimizer, dist)")
+    stop_table = {**dict(stop or {}), **extra.pop("stop", {})}
+    stop_table.update({k: v for k, v in stop_keys.items() if v is not None})
+    cluster_spec, _ = _cluster(cluster)
+    doc: dict[str, Any] = {
+        "name": name, "cluster": cluster_spec, "engine": engine,
+        "strategy": _strategy(strategy)[0],
+        "optimizer": {**_optimizer_table(optimizer), **extra.pop("optimizer", {})},
+        "train": {"batch_size": batch_size, "seed": seed, **extra.pop("train", {})},
+        "stop": stop_table, **extra,
+    }
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+        raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    unknown = sorted(set(stop_table) - {f.name for f in fields(StopConfig)})
+    if unknown:
+        raise ConfigError(f"stop: unknown key(s) {unknown}; allowed keys: "
+                          f"{sorted(f.name for f in fields(StopConfig))}")
+    return doc
+
+
+def _train_sim(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: Strategy,
+               runs_dir: str | Path | None, progress: ProgressFn | None) -> TrainResult:
+    from hetrain.engine.setup import prepare, run_dir_for
+    from hetrain.engine.sim import Simulator
+
+    sim = Simulator(prepare(cfg, cluster=cluster, workload=workload, strategy=strategy),
+                    run_dir_for(cfg, runs_dir), progress)
+    r = sim.run()
+    return TrainResult(r.name, r.rows, r.summary, r.run_dir, model=sim.server.model)
+
+
+def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: Strategy,
+                runs_dir: str | Path | None, progress: ProgressFn | None) -> TrainResult:
+    """Real processes (see hetrain.engine.dist); the model comes back through the checkpoint
+    rank 0 writes when the run stops, so a run directory is needed (a temporary one if none)."""
+    import os
+
+    from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint
+    from hetrain.runner import run_config
+
+    if "RANK" not in os.environ:
+        try:
+            pickle.dumps((workload, strategy))
+        except Exception as e:
+            raise ConfigError(f"engine='dist' spawns worker processes, which receive the model, "
+                              f"data set and loss by pickling, and they are not picklable "
+                              f"({e}); define them at module level (no lambdas or local "
+                              f"classes) and guard the script with `if __name__ == "
+                              f"'__main__':`") from e
+    with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
+        root = Path(runs_dir) if runs_dir is not None else Path(tmp)
+        r = run_config(cfg, runs_root=root, progress=progress, cluster=cluster,
+                       workload=workload, strategy=strategy)
+        model = None
+        run_dir = root / cfg.name
+        if r.summary.get("role") != "worker" and checkpoint_path(run_dir).is_file():
+            model = workload.build_model()
+            model.load_state_dict(load_checkpoint(run_dir, strategy.name).model)
+    return TrainResult(r.name, r.rows, r.summary, r.run_dir if runs_dir is not None else None,
+                       model=model)
+
+
+# ---- planning for users who keep their own loop -----------------------------------------------
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per-device batch sizes for one synchronous step of `total_batch` samples, balanced so
+    every device finishes its `local_steps` steps + its pull/push at the same time.
+
+    In your own loop: rank j uses `batch_sizes[j]` samples per step (0: leave it out), runs
+    `local_steps` steps between synchronisations, and averages with `weights[j]` (its share of
+    the samples) instead of DDP's 1/n, which is what keeps unequal batches unbiased.
+    """
+
+    devices: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    """Samples per step on each device; they sum to total_batch."""
+    local_steps: int
+    """Steps between two synchronisations (the same on every device)."""
+    weights: tuple[float, ...]
+    """batch_sizes[j] / total_batch: the weight of device j's update in the average."""
+    round_time_s: float
+    """Predicted time of one round (local_steps steps + pull + push) with these batches."""
+    equal_round_time_s: float
+    """The same round with equal batches (total_batch / n each, as DDP does)."""
+    efficiency: float
+    """Predicted hardware efficiency: samples/s of the plan over the devices' summed samples/s
+    (compute only), in (0, 1]."""
+
+    @property
+    def speedup_vs_equal(self) -> float:
+        return self.equal_round_time_s / self.round_time_s if self.round_time_s else 1.0
+
+
+def plan_batches(cluster: str | Path | Cluster | Mapping[str, Any], total_batch: int, *,
+                 model: ModelSpec | None = None, dataset: Dataset | None = None,
+                 flops_per_sample: float | None = None, model_bytes: int | None = None,
+                 local_steps: int = 1, comm_fraction: float = 0.03, max_local_steps: int = 32,
+                 activation_bytes_per_sample: float = 0.0) -> BatchPlan:
+    """Split `total_batch` samples per step across the devices of `cluster` (C-ADP's exact
+    min-makespan allocation, hetrain.plan.allocate, the planner the `cadp` strategy uses).
+
+    The cost model needs the model's FLOPs and bytes: give `model` and a `dataset` (one sample
+    is traced with torch's FLOP counter, as the engines do), or `flops_per_sample` (forward +
+    backward FLOPs) and `model_bytes` directly. local_steps=0 picks H so that the devices'
+    pull + push time is at most `comm_fraction` of a round (capped at max_local_steps). Memory:
+    parameters, gradients and two optimizer states (4 x model_bytes) plus
+    `activation_bytes_per_sample` per sample of a batch must fit in each device's memory.
+    """
+    import numpy as np
+
+    from hetrain.cluster import load_cluster
+    from hetrain.plan.allocate import RoundWork, choose_local_steps, plan_round, round_costs
+    from hetrain.workloads import flops_per_sample as count_flops
+
+    cl = cluster if isinstance(cluster, Cluster) else load_cluster(_cluster(cluster)[0])
+    if isinstance(total_batch, bool) or not isinstance(total_batch, int) or total_batch < 1:
+        raise ConfigError(f"total_batch must be an integer >= 1, got {total_batch!r}")
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 0:
+        raise ConfigError(f"local_steps must be an integer >= 0 (0: auto), got {local_steps!r}")
+    if model is not None:
+        if dataset is None:
+            raise ConfigError("plan_batches(model=...) needs dataset= (one sample is traced to "
+                              "count the model's FLOPs)")
+        wl = make_workload(model, dataset, dataset)
+        probe = wl.build_model()
+        flops_per_sample = flops_per_sample or count_flops(wl)
+        if model_bytes is None:
+            model_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    if flops_per_sample is None or flops_per_sample <= 0:
+        raise ConfigError("plan_batches needs model= and dataset=, or flops_per_sample > 0")
+    mb = int(model_bytes or 0)
+    comm, compute, _ = round_costs(cl, RoundWork(samples=0, flops_per_sample=flops_per_sample,
+                                                 model_bytes=mb, steps=0, ship_data=False))
+    speed = 1.0 / np.asarray(compute)                      # samples/s of each device
+    if local_steps == 0:  # H from the speed-weighted comm time vs a balanced step
+        step_s = total_batch / float(speed.sum())
+        comm_w = float((speed * np.asarray(comm)).sum() / speed.sum())
+        local_steps = choose_local_steps(comm_w, step_s, comm_fraction, 1, max_local_steps)
+    work = RoundWork(samples=local_steps * total_batch, flops_per_sample=flops_per_sample,
+                     model_bytes=mb, ship_data=False, steps=local_steps,
+                     memory_fixed_bytes=4 * mb,
+                     memory_per_sample_bytes=activation_bytes_per_sample / local_steps)
+    alloc = plan_round(cl, work, granularity=local_steps)
+    batches = tuple(s // local_steps for s in alloc.shares)
+    equal = [total_batch // cl.n + (j < total_batch % cl.n) for j in range(cl.n)]
+    fixed, per_sample, _ = round_costs(cl, work)
+    equal_s = max(a + b * local_steps * x for a, b, x in zip(fixed, per_sample, equal,
+                                                             strict=True) if x > 0)
+    return BatchPlan(
+        devices=tuple(d.name for d in cl.devices), batch_sizes=batches, local_steps=local_steps,
+        weights=tuple(b / total_batch for b in batches), round_time_s=alloc.makespan_s,
+        equal_round_time_s=equal_s,
+        efficiency=alloc.total / alloc.makespan_s / float(speed.sum()) if alloc.makespan_s
+        else 1.0)

@@ -1,0 +1,119 @@
+"""Every example runs (with --smoke: tiny data, a few steps) in a subprocess, so none can rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TWO_SITE = EXAMPLES / "04_two_site"
+TIMEOUT_S = 120
+SMOKE_SET = ["--set", "stop.max_epochs=0.05", "--set", "strategy.local_steps=2",
+             "--set", "strategy.batch_size=8", "--set", "train.batch_size=8", "--set", "workload.model_options.n_layer=1",
+             "--set", "workload.model_options.n_embd=32",
+             "--set", "workload.dataset_options.max_chars=20000",
+             "--set", "workload.dataset_options.block_size=32"]
+"""What the two-site smoke run overrides in run.toml (a tiny model and corpus, a few rounds)."""
+
+
+def run(args: list[str], cwd: Path = ROOT) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=TIMEOUT_S)
+    assert p.returncode == 0, f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def test_01_single_gpu_to_hetero():
+    out = run([str(EXAMPLES / "01_single_gpu_to_hetero.py"), "--smoke"])
+    assert re.search(r"before \(one device, 1 epochs\): test accuracy 0\.\d+", out)
+    assert re.search(r"after +\(\w+ on hetero-4, simulated\): accuracy 0\.\d+", out)
+
+
+def test_02_imagefolder_resnet_on_fake_data(tmp_path):
+    out = run([str(EXAMPLES / "02_imagefolder_resnet.py"), "--make-fake-data", "--data",
+               str(tmp_path / "tree"), "--smoke", "--runs-dir", str(tmp_path / "runs")])
+    assert "48 training / 12 validation images, 4 classes" in out
+    assert len(list((tmp_path / "tree" / "val" / "class3").glob("*.png"))) == 3
+    summary = json.loads((tmp_path / "runs" / "imagefolder-resnet" / "summary.json").read_text())
+    assert summary["engine"] == "sim" and summary["n_workers"] == 8
+    assert summary["workload"].startswith("imagefiles-")
+
+
+def test_03_tiny_gpt():
+    out = run([str(EXAMPLES / "03_tiny_gpt.py"), "--smoke"])
+    assert re.search(r"test loss \d+\.\d+ nats/char", out)
+    assert "sample: 'def " in out
+
+
+def test_05_custom_strategy():
+    out = run([str(EXAMPLES / "05_custom_strategy.py"), "--smoke"])
+    assert re.search(r"post_local_sgd +accuracy .* \{'rounds': \d+\}", out)
+
+
+def test_04_two_site_cluster_file():
+    from hetrain.cluster import load_cluster
+
+    c = load_cluster(str(TWO_SITE / "cluster.toml"))
+    assert [d.name for d in c.devices] == ["a100-0", "a100-1", "t4-0", "t4-1", "t4-2", "t4-3"]
+    assert {d.site for d in c.devices[:2]} == {"dc-a"} and c.link_between(0, 2).latency_s > 0.01
+    assert c.devices[0].flops / c.devices[2].flops == pytest.approx(4.8, rel=0.05)
+    bound = f"{c.ddp_efficiency_bound():.2f}"
+    assert bound == "0.44" and f"= {bound}" in (TWO_SITE / "README.md").read_text()
+
+
+def test_04_two_site_run_on_the_simulator(tmp_path):
+    out = run(["-m", "hetrain", "run", str(TWO_SITE / "run.toml"), *SMOKE_SET, "--runs-dir",
+               str(tmp_path), "--no-plot", "--json"])
+    (summary,) = json.loads(out)
+    assert summary["cluster"] == "two-site-a100-t4" and summary["n_workers"] == 6
+    assert summary["workload"] == "text-gpt" and summary["epochs"] > 0
+    assert (tmp_path / "two-site-gpt" / "metrics.jsonl").is_file()
+
+
+def test_04_readme_names_only_commands_that_exist():
+    from hetrain.cli import build_parser
+
+    parser = build_parser()
+    commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    readme = (TWO_SITE / "README.md").read_text()
+    used = set(re.findall(r"^\s*hetrain (\w+)", readme, flags=re.M))
+    assert used and used <= commands, f"README uses {sorted(used - commands)}"
+
+
+def test_04_plan_and_launch_commands_of_the_readme():
+    out = run(["-m", "hetrain", "plan", "--cluster", str(TWO_SITE / "cluster.toml"), "--model",
+               "gpt", "--batch", "256", "--model-option", "n_layer=2", "--model-option",
+               "n_head=2", "--model-option", "n_embd=64", "--json"])
+    assert json.loads(out)  # a plan came back
+    out = run(["-m", "hetrain", "launch", str(TWO_SITE / "run.toml"), "--nnodes", "2",
+               "--node-rank", "1", "--nproc-per-node", "4", "--rdzv-endpoint", "HOST_A:29400",
+               "--dry-run"])
+    assert "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1" in out
+    assert out.strip().endswith(str(TWO_SITE / "run.toml"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_04_profile_plan_launch_flow(tmp_path):
+    """The README's flow for real: profile (7 processes) -> plan -> launch on this machine."""
+    measured = tmp_path / "measured.toml"
+    run(["-m", "hetrain", "profile", str(TWO_SITE / "run.toml"), *SMOKE_SET, "--steps", "3",
+         "--out", str(measured), "--runs-dir", str(tmp_path), "--quiet"])
+    from hetrain.cluster import load_cluster
+
+    assert [d.name for d in load_cluster(str(measured)).devices][-1] == "t4-3"
+    assert json.loads(run(["-m", "hetrain", "plan", "--cluster", str(measured), "--model", "gpt",
+                           "--model-option", "n_layer=1", "--model-option", "n_embd=32",
+                           "--json"]))
+    out = run(["-m", "hetrain", "launch", str(TWO_SITE / "run.toml"), *SMOKE_SET, "--set",
+               f'cluster="{measured}"', "--runs-dir", str(tmp_path), "--json", "--quiet"])
+    (summary,) = json.loads(out)
+    assert summary["engine"] == "dist" and summary["n_workers"] == 6
