@@ -54,8 +54,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64, help="images are resized to SIZE x SIZE")
     ap.add_argument("--epochs", type=float, default=10.0)
     ap.add_argument("--cluster", default="hetero-8", help="preset or cluster TOML")
-    ap.add_argument("--strategy", default="cadp" if "cadp" in hetrain.strategies.REGISTRY
-                    else "local_sgd")
+    ap.add_argument("--strategy", default="cadp", help="any registered strategy")
     ap.add_argument("--engine", default="sim", choices=("sim", "dist"))
     ap.add_argument("--runs-dir", default=None, help="write runs/<name>/metrics.jsonl here")
     ap.add_argument("--smoke", action="store_true", help="32x32 images, a few steps (CI)")

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--target-loss", type=float, default=2.0)
     ap.add_argument("--cluster", default="hetero-4")
-    ap.add_argument("--strategy", default="local_sgd")
+    ap.add_argument("--strategy", default="cadp")
     ap.add_argument("--engine", default="sim", choices=("sim", "dist"))
     ap.add_argument("--smoke", action="store_true", help="a tiny corpus and model (CI)")
     args = ap.parse_args()

@@ -133,7 +133,6 @@ def test_strategy_cluster_and_config_forms(tmp_path):
         "local_steps"] == 3
 
 
-@register
 @dataclass
 class EveryOtherAveraging(BarrierMixin, Strategy):
     """A user strategy: averaging rounds that alternate between 1 and `long_steps` steps."""
@@ -163,8 +162,10 @@ class EveryOtherAveraging(BarrierMixin, Strategy):
 
 @pytest.fixture
 def user_strategy():
+    """Register the user strategy for one test only (other tests see the built-ins)."""
+    register(EveryOtherAveraging)
     yield EveryOtherAveraging.name
-    REGISTRY.pop(EveryOtherAveraging.name, None)  # keep the registry to the built-ins
+    REGISTRY.pop(EveryOtherAveraging.name, None)
 
 
 def test_registered_custom_strategy_runs_on_the_simulator(user_strategy):
@@ -180,6 +181,14 @@ def test_registered_custom_strategy_runs_on_the_simulator(user_strategy):
                             "workload": {"model": "mlp", "dataset": "digits"},
                             "strategy": {"name": user_strategy}, "stop": {"max_epochs": 0.2}})
     assert run_config(cfg, runs_root=None).summary["strategy"] == user_strategy
+
+
+def test_unregistered_strategy_name_is_an_error_but_an_instance_runs():
+    with pytest.raises(ConfigError, match="unknown strategy 'test_every_other'"):
+        train(Tiny(), TRAIN, test_dataset=TEST, **{**QUICK, "strategy": "test_every_other"})
+    r = train(Tiny(), TRAIN, test_dataset=TEST,
+              **{**QUICK, "strategy": EveryOtherAveraging(long_steps=2), "max_epochs": 0.3})
+    assert r.summary["strategy"] == "test_every_other"
 
 
 class Stream(IterableDataset):

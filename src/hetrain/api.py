@@ -113,7 +113,9 @@ def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | No
     must return the mean loss (default: cross-entropy, per token for a language model).
     Accuracy is argmax(output) == target, per token for task="language_model"; for other
     tasks stop on a loss target (target_loss) instead. The model is checked on two samples
-    here, so a shape mismatch fails now with the shapes named, not in a worker.
+    here, so a shape mismatch fails now with the shapes named, not in a worker. The result
+    works with every lower-level piece, e.g. hetrain.workloads.flops_per_sample(workload) or
+    hetrain.runner.run_config(cfg, workload=workload).
     """
     if task not in TASKS:
         raise ConfigError(f"task = {task!r} is not allowed; choose one of: {', '.join(TASKS)}")
