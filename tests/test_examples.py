@@ -92,7 +92,8 @@ def test_04_plan_and_launch_commands_of_the_readme():
     out = run(["-m", "hetrain", "plan", "--cluster", str(TWO_SITE / "cluster.toml"), "--model",
                "gpt", "--batch", "256", "--model-option", "n_layer=2", "--model-option",
                "n_head=2", "--model-option", "n_embd=64", "--json"])
-    assert json.loads(out)  # a plan came back
+    stages = json.loads(out)["plan"]["stages"]
+    assert [s["devices"] for s in stages] == [[0, 1]]  # the README: "keeps it on the A100s"
     out = run(["-m", "hetrain", "launch", str(TWO_SITE / "run.toml"), "--nnodes", "2",
                "--node-rank", "1", "--nproc-per-node", "4", "--rdzv-endpoint", "HOST_A:29400",
                "--dry-run"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import os
 import pickle
 import tempfile
 from collections.abc import Callable, Mapping
@@ -37,11 +38,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
 
-from hetrain.cluster import Cluster
+from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
-from hetrain.engine.sim import ProgressFn
+from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint
+from hetrain.engine.setup import prepare, run_dir_for
+from hetrain.engine.sim import ProgressFn, Simulator
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
+from hetrain.runner import run_config
 from hetrain.strategies import Strategy, make_strategy
 from hetrain.workloads import Workload, cross_entropy, sample_bytes_of
 
@@ -255,8 +259,6 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
                     target_loss=target_loss)
     strategy_instance = _strategy(strategy)[1]
     cfg = config_from_dict(doc)
-    from hetrain.cluster import load_cluster
-
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
     workload = make_workload(model, dataset, test_dataset, loss_fn=loss_fn, task=task, seed=seed)
@@ -302,9 +304,6 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
 
 def _train_sim(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: Strategy,
                runs_dir: str | Path | None, progress: ProgressFn | None) -> TrainResult:
-    from hetrain.engine.setup import prepare, run_dir_for
-    from hetrain.engine.sim import Simulator
-
     sim = Simulator(prepare(cfg, cluster=cluster, workload=workload, strategy=strategy),
                     run_dir_for(cfg, runs_dir), progress)
     r = sim.run()
@@ -315,11 +314,6 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
                 runs_dir: str | Path | None, progress: ProgressFn | None) -> TrainResult:
     """Real processes (see hetrain.engine.dist); the model comes back through the checkpoint
     rank 0 writes when the run stops, so a run directory is needed (a temporary one if none)."""
-    import os
-
-    from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint
-    from hetrain.runner import run_config
-
     if "RANK" not in os.environ:
         try:
             pickle.dumps((workload, strategy))
@@ -390,7 +384,6 @@ def plan_batches(cluster: str | Path | Cluster | Mapping[str, Any], total_batch:
     """
     import numpy as np
 
-    from hetrain.cluster import load_cluster
     from hetrain.plan.allocate import RoundWork, choose_local_steps, plan_round, round_costs
     from hetrain.workloads import flops_per_sample as count_flops
 

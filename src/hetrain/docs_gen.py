@@ -75,15 +75,19 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
+REQUIRED = object()
+"""The default of a field without one (shown as "(required)")."""
+
+
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
-    return "(required)"
+    return REQUIRED
 
 
-def _type_name(f: dataclasses.Field, default: Any) -> str:
+def _type_name(f: dataclasses.Field) -> str:
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     return str(t).replace("|", "\\|")
 
@@ -100,16 +104,16 @@ def field_table(cls: type, skip: tuple[str, ...] = ()) -> list[str]:
         if not f.init or f.name in skip:
             continue
         default = _default(f)
-        shown = default if default == "(required)" else toml_value(default)
-        rows.append(f"| `{f.name}` | {_type_name(f, default)} | `{_cell(shown)}` | "
+        shown = "(required)" if default is REQUIRED else toml_value(default)
+        rows.append(f"| `{f.name}` | {_type_name(f)} | `{_cell(shown)}` | "
                     f"{_cell(docs.get(f.name, ''))} |")
     return rows
 
 
 def _first_line(obj: Any) -> str:
     """The first paragraph of obj's own docstring (not one inherited from a base class)."""
-    doc = inspect.cleandoc(obj.__dict__.get("__doc__") or "" if isinstance(obj, type)
-                           else obj.__doc__ or "")
+    own = obj.__dict__.get("__doc__") if isinstance(obj, type) else obj.__doc__
+    doc = inspect.cleandoc(own or "")
     if isinstance(obj, type) and doc.startswith(obj.__name__ + "("):
         return ""  # the signature dataclasses write when a class has no docstring
     para = doc.split("\n\n")[0]
@@ -118,7 +122,8 @@ def _first_line(obj: Any) -> str:
 
 def _run_section() -> list[str]:
     out = ["## Top level", ""]
-    out += field_table(config_mod.RunConfig, skip=(*tuple(n for n, _ in CONFIG_SECTIONS), "strategy"))
+    sections = tuple(name for name, _ in CONFIG_SECTIONS)
+    out += field_table(config_mod.RunConfig, skip=(*sections, "strategy"))
     out += ["", f"`engine` is one of: {', '.join(f'`{e}`' for e in config_mod.ENGINES)}.", ""]
     for name, cls in CONFIG_SECTIONS:
         out += [f"## [{name}]", ""]
