@@ -67,7 +67,7 @@ def test_launch_multinode_builds_the_torchrun_command(config, capsys) -> None:
 def test_profile_measures_emulated_speeds(config, tmp_path) -> None:
     out, prof = tmp_path / "measured.toml", tmp_path / "profile.json"
     assert main(["profile", str(config), "--out", str(out), "--profile-out", str(prof),
-                 "--steps", "5", "--quiet"]) == 0
+                 "--steps", "5", "--quiet", "--set", "dist.time_scale=0.5"]) == 0
     cluster, profile = Cluster.load(out), Profile.load(prof)
     assert profile.source == "measured" and profile.n == 2
     slow, fast = profile.step_times_s()

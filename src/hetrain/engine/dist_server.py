@@ -35,7 +35,7 @@ from hetrain.engine.checkpoint import ServerState, load_checkpoint, save_checkpo
 from hetrain.engine.core import DataOwner, Server
 from hetrain.engine.setup import Prepared
 from hetrain.engine.sim import ProgressFn
-from hetrain.engine.wire import Inbox, send_obj
+from hetrain.engine.wire import Inbox, Outbox
 from hetrain.errors import HetrainError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push
@@ -65,6 +65,7 @@ class Coordinator:
         self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
                               run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
         self.inbox = Inbox([w + 1 for w in range(n)])
+        self.outbox = Outbox()
         self.live = set(range(n))
         self.lost: list[int] = []
         self.busy: set[int] = set()
@@ -83,6 +84,9 @@ class Coordinator:
         self.done = False
         self.updates_since_ckpt = 0
         self.allreduce = self.strategy.comm == "allreduce"
+        self.model_time_scale = (emulation.get("time_scale", 1.0)
+                                 if emulation.get("mode", "none") != "none" else 1.0)
+        """Wall seconds per Cluster-model second (what Push times are divided by)."""
 
     # ---- clock -------------------------------------------------------------------------
     def clock(self) -> float:
@@ -143,7 +147,7 @@ class Coordinator:
                      "optimizer": self.server.optimizer.state_dict(),
                      "version": self.server.version}
         for w in sorted(self.live):
-            send_obj({"kind": "setup", "worker": w, "cluster": self.p.cluster,
+            self.outbox.send({"kind": "setup", "worker": w, "cluster": self.p.cluster,
                       "flops_per_sample": self.p.ctx.flops_per_sample,
                       "update": self.strategy.update, "comm": self.strategy.comm,
                       "outer": self.strategy.outer(), "emulation": self.emulation,
@@ -167,7 +171,7 @@ class Coordinator:
         if not self.allreduce:
             msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
             self.base_version[w] = self.server.version
-        nbytes = send_obj(msg, w + 1)
+        nbytes = self.outbox.send(msg, w + 1)
         self.log.workers[w].bytes_received += nbytes if not self.allreduce else 0
         self.busy.add(w)
         self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
@@ -184,10 +188,12 @@ class Coordinator:
             update = self.p.compressor.extract(msg["payload"])
             self.buffered[w].append((update, msg["buffers"], msg["samples"]))
         self.recent_losses.append(msg["loss"])
+        # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
+        k = 1.0 / self.model_time_scale
         decision = self.strategy.on_push(Push(
             worker=w, base_version=self.base_version[w], samples=msg["samples"],
-            steps=msg["steps"], loss=msg["loss"], compute_s=msg["compute_s"],
-            comm_s=msg["comm_s"], arrival_s=self.clock()))
+            steps=msg["steps"], loss=msg["loss"], compute_s=k * msg["compute_s"],
+            comm_s=k * msg["comm_s"], arrival_s=k * self.clock()))
         self._decide(decision)
 
     def _take_times(self, w: int, msg: dict[str, Any]) -> None:
@@ -236,13 +242,13 @@ class Coordinator:
             raise RuntimeError(f"strategy '{self.strategy.name}' (comm=allreduce) applied without"
                                f" live workers {missing}: a collective needs every live worker")
         for w in sorted(self.live):
-            send_obj({"kind": "apply", "weight": float(weights[w])}, w + 1)
+            self.outbox.send({"kind": "apply", "weight": float(weights[w])}, w + 1)
         self.server.version += 1
 
     def _pull_state(self, src: int | None = None) -> None:
         """Allreduce mode: fetch the global model from a waiting worker (default: the first)."""
         src = min(self.live) if src is None else src
-        send_obj({"kind": "state"}, src + 1)
+        self.outbox.send({"kind": "state"}, src + 1)
         kind, _, msg, _ = self.inbox.request(src + 1, self.cfg.dist.worker_timeout_s)
         if kind == "lost":
             raise WorkerLostError(f"worker {src} was lost while sending the model: {msg}")
@@ -280,6 +286,7 @@ class Coordinator:
             self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
     def _on_lost(self, w: int, reason: str) -> None:
+        self.outbox.forget(w + 1)
         self.live.discard(w)
         self.busy.discard(w)
         self.lost.append(w)
@@ -342,14 +349,16 @@ class Coordinator:
 
     def _stop_workers(self) -> None:
         for w in sorted(self.live):
-            send_obj({"kind": "stop"}, w + 1)
+            self.outbox.send({"kind": "stop"}, w + 1)
             self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
             if kind == "msg":
                 self._take_times(src - 1, obj)
+        self.outbox.wait_all()
 
     def _on_lost_quiet(self, w: int) -> None:
+        self.outbox.forget(w + 1)
         self.live.discard(w)
         self.lost.append(w)
 

@@ -1,0 +1,160 @@
+"""REAL processes, side by side: hetrain's strategies vs torch DDP and torch PostLocalSGD.
+
+4 worker processes on this machine with emulated speeds 1:1:2:4 (the hetero-4 preset, run
+`time_scale` times faster than its model clock), MNIST-1D CNN, SGD lr 0.05 momentum 0.9,
+batch 32, to a fixed test accuracy. Every system pads each step to the same per-device budget
+(hetrain.engine.emulate). For each run the simulator's prediction for the same cluster
+(virtual TTA x time_scale) is written next to the measured TTA: torch DDP is predicted by
+hetrain's ddp strategy, PostLocalSGD by local_sgd with the same period.
+
+    .venv/bin/python benchmarks/real_hetero4.py [--seeds 0,1,2] [--time-scale 0.4]
+
+writes benchmarks/results/real_hetero4.json and .md. Ratios are TTA(torch DDP) / TTA(system)
+within one seed (the runs of a seed follow one another, interleaved, on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from real_peers import PeerRun, run_peer
+
+from hetrain.cluster import preset
+from hetrain.config import RunConfig, config_from_dict
+from hetrain.runner import run_config
+from hetrain.strategies import REGISTRY
+from hetrain.workloads import flops_per_sample, get_workload
+
+RESULTS = Path(__file__).parent / "results"
+HETRAIN = ("cadp", "ashl", "ddp")
+PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_steps": 8})}
+"""peer -> (hetrain strategy whose simulation predicts it, its options)."""
+
+
+def config(strategy: str, options: dict[str, Any], seed: int, args: argparse.Namespace,
+           engine: str) -> RunConfig:
+    return config_from_dict({
+        "name": f"real-hetero4-{strategy}-s{seed}", "engine": engine, "cluster": "hetero-4",
+        "workload": {"model": "cnn", "dataset": "mnist1d"},
+        "strategy": {"name": strategy, **options},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"batch_size": 32, "seed": seed, "eval_every_epochs": 0.1},
+        "stop": {"max_epochs": args.max_epochs, "target_accuracy": args.target,
+                 "stop_at_target": True},
+        "dist": {"time_scale": args.time_scale, "worker_timeout_s": 120.0}})
+
+
+def predicted_s(strategy: str, options: dict[str, Any], seed: int,
+                args: argparse.Namespace) -> float | None:
+    r = run_config(config(strategy, options, seed, args, "sim"), runs_root=None)
+    tta = r.summary["tta_s"]
+    return None if tta is None else tta * args.time_scale
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--time-scale", type=float, default=0.4)
+    ap.add_argument("--target", type=float, default=0.7)
+    ap.add_argument("--max-epochs", type=float, default=6.0)
+    ap.add_argument("--systems", default="", help="comma list (default: all available)")
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    systems = [s for s in HETRAIN if s in REGISTRY] + list(PEERS)
+    if args.systems:
+        systems = [s for s in args.systems.split(",") if s in systems]
+    wl = get_workload("cnn", "mnist1d")
+    fps = flops_per_sample(wl)
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        for system in systems:
+            t = time.time()
+            if system in PEERS:
+                strategy, options = PEERS[system]
+                res = run_peer(PeerRun(system, preset("hetero-4"), wl, fps,
+                                       period=options.get("local_steps", 8),
+                                       time_scale=args.time_scale, seed=seed,
+                                       max_epochs=args.max_epochs,
+                                       target_accuracy=args.target))
+                row = {k: res[k] for k in ("tta_s", "final_accuracy", "epochs", "time_s")}
+                row["overruns"] = sum([res["overruns"]])
+            else:
+                strategy, options = system, {}
+                r = run_config(config(system, {}, seed, args, "dist"),
+                               runs_root=RESULTS / "real_hetero4_runs")
+                s = r.summary
+                row = {"tta_s": s["tta_s"], "final_accuracy": s["final_accuracy"],
+                       "epochs": s["epochs"], "time_s": s["time_s"],
+                       "overruns": sum(s["emulation_overruns"]),
+                       "hardware_efficiency": s["hardware_efficiency"]}
+            row.update(system=system, seed=seed, wall_s=time.time() - t,
+                       predicted_tta_s=predicted_s(strategy, options, seed, args))
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    summary = summarise(runs, systems, seeds)
+    RESULTS.mkdir(exist_ok=True)
+    cmd = "python benchmarks/real_hetero4.py " + " ".join(sys.argv[1:])
+    (RESULTS / "real_hetero4.json").write_text(json.dumps(
+        {"command": cmd, "args": vars(args), "runs": runs, "summary": summary}, indent=2))
+    (RESULTS / "real_hetero4.md").write_text(markdown(cmd, args, summary, len(seeds)))
+    print(markdown(cmd, args, summary, len(seeds)))
+    return 0
+
+
+def summarise(runs: list[dict[str, Any]], systems: list[str], seeds: list[int]
+              ) -> list[dict[str, Any]]:
+    by = {(r["system"], r["seed"]): r for r in runs}
+    out = []
+    for system in systems:
+        ttas = [by[(system, s)]["tta_s"] for s in seeds]
+        preds = [by[(system, s)]["predicted_tta_s"] for s in seeds]
+        ratios = [by[("torch_ddp", s)]["tta_s"] / by[(system, s)]["tta_s"] for s in seeds
+                  if by[(system, s)]["tta_s"] and by.get(("torch_ddp", s), {}).get("tta_s")]
+        errs = [t / p - 1 for t, p in zip(ttas, preds, strict=True) if t and p]
+        out.append({
+            "system": system,
+            "reached": sum(t is not None for t in ttas),
+            "tta_s_median": statistics.median([t for t in ttas if t]) if any(ttas) else None,
+            "speedup_vs_torch_ddp_median": statistics.median(ratios) if ratios else None,
+            "speedup_min": min(ratios) if ratios else None,
+            "speedup_max": max(ratios) if ratios else None,
+            "predicted_tta_s_median": statistics.median([p for p in preds if p])
+            if any(preds) else None,
+            "measured_over_predicted_median": (1 + statistics.median(errs)) if errs else None,
+        })
+    return out
+
+
+def _f(v: Any, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(cmd: str, args: argparse.Namespace, summary: list[dict[str, Any]],
+             n_seeds: int) -> str:
+    lines = [f"`{cmd}`", "",
+             f"# Real processes: 4 workers emulating 1:1:2:4 (hetero-4 x {args.time_scale} "
+             f"time), MNIST-1D CNN, time to {args.target:.0%} test accuracy", "",
+             f"Median of {n_seeds} seed(s); speedup = TTA(torch DDP) / TTA(system) within a "
+             "seed (min-max in brackets). Predicted = the simulator's TTA for the same "
+             "cluster x time_scale (simulated).", "",
+             "| system | reached | TTA s (median) | speedup vs torch DDP | predicted TTA s "
+             "(simulated) | measured / predicted |", "|---|---|---|---|---|---|"]
+    for r in summary:
+        lines.append(
+            f"| {r['system']} | {r['reached']}/{n_seeds} | {_f(r['tta_s_median'])} | "
+            f"{_f(r['speedup_vs_torch_ddp_median'])}x [{_f(r['speedup_min'])}-"
+            f"{_f(r['speedup_max'])}] | {_f(r['predicted_tta_s_median'])} | "
+            f"{_f(r['measured_over_predicted_median'])} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The peers, as themselves, on real processes with the same model, data and throttling.
+
+- torch DDP: torch.nn.parallel.DistributedDataParallel, gloo, equal batch per rank.
+- torch PostLocalSGD: DDP + post_localSGD_hook + PostLocalSGDOptimizer with
+  PeriodicModelAverager (torch.distributed.algorithms model averaging), period H.
+
+Throttling is hetrain's budget padding (`hetrain.engine.emulate.Throttle`): each step's
+compute is padded to the emulated device's time before any gradient leaves the rank. The pad
+sits in a DDP communication hook (called once the backward has produced the bucket, i.e. at
+the end of compute: the model's 55 kB of gradients fit in DDP's one 25 MB bucket), so DDP's
+all-reduce starts only when the slowest device would have finished, as on real hardware.
+
+Rank 0 evaluates the model every `eval_every` samples (the global model: after an average for
+PostLocalSGD) and its evaluation pauses are left out of the clock, as in hetrain's engines.
+"""
+
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hetrain.cluster import Cluster
+from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.wire import free_port
+from hetrain.workloads import Workload, evaluate, gather
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    system: str
+    """"torch_ddp" or "torch_postlocalsgd"."""
+    cluster: Cluster
+    workload: Workload
+    flops_per_sample: float
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    period: int = 8
+    """PostLocalSGD averaging period (H local steps)."""
+    time_scale: float = 1.0
+    seed: int = 0
+    max_epochs: float = 6.0
+    target_accuracy: float = 0.7
+    eval_every_epochs: float = 0.1
+
+
+class _Pad:
+    """DDP comm hook state: pad the step to its compute deadline, then communicate."""
+
+    def __init__(self, inner: Any, inner_state: Any) -> None:
+        self.inner, self.inner_state = inner, inner_state
+        self.deadline_s = 0.0
+
+
+def _padded_hook(pad: _Pad, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    sleep_until(pad.deadline_s)
+    return pad.inner(pad.inner_state, bucket)
+
+
+def _worker(rank: int, run: PeerRun, port: int, out: Any) -> None:
+    torch.set_num_threads(1)
+    n = run.cluster.n
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=n, timeout=timedelta(seconds=120))
+    try:
+        _train(rank, run, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, run: PeerRun, out: Any) -> None:
+    n, wl = run.cluster.n, run.workload
+    torch.manual_seed(run.seed)
+    model = DDP(wl.build_model())
+    if run.system == "torch_ddp":
+        pad = _Pad(default_hooks.allreduce_hook, None)
+        opt: Any = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum)
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState,
+            post_localSGD_hook,
+        )
+        from torch.distributed.algorithms.model_averaging.averagers import (
+            PeriodicModelAverager,
+        )
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        # Pure local SGD after the first step: each rank its own subgroup (no gradient
+        # all-reduce), parameters averaged over the world every `period` steps.
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=1)
+        pad = _Pad(post_localSGD_hook, state)
+        opt = PostLocalSGDOptimizer(
+            optim=torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum),
+            averager=PeriodicModelAverager(period=run.period, warmup_steps=1))
+    model.register_comm_hook(pad, _padded_hook)
+    throttle = Throttle(run.cluster.devices[rank], None, run.flops_per_sample, run.time_scale)
+    n_train = len(wl.train)  # type: ignore[arg-type]
+    per_step = run.batch_size * n
+    eval_steps = max(1, round(run.eval_every_epochs * n_train / per_step))
+    if run.system != "torch_ddp":  # evaluate right after an average: the global model
+        eval_steps = max(run.period, eval_steps // run.period * run.period)
+    max_steps = int(run.max_epochs * n_train / per_step)
+    g = torch.Generator().manual_seed(run.seed)
+    order = torch.randperm(n_train, generator=g)
+    pos, epoch = 0, 0
+    rows, tta_s, paused_s = [], None, 0.0
+    flag = torch.zeros(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(1, max_steps + 1):
+        if pos + per_step > n_train:  # a new epoch: same permutation on every rank
+            epoch += 1
+            order = torch.randperm(n_train, generator=torch.Generator().manual_seed(
+                run.seed * 1000 + epoch))
+            pos = 0
+        idx = order[pos + rank * run.batch_size: pos + (rank + 1) * run.batch_size]
+        pos += per_step
+        pad.deadline_s = time.perf_counter() + throttle.compute_budget_s(run.batch_size, 1)
+        x, y = gather(wl.train, idx)
+        opt.zero_grad(set_to_none=True)
+        wl.loss_fn(model(x), y).backward()
+        opt.step()
+        if step % eval_steps == 0 or step == max_steps:
+            if rank == 0:
+                now = time.perf_counter() - t0 - paused_s
+                e0 = time.perf_counter()
+                loss, acc = evaluate(model.module, wl.test, wl.loss_fn)
+                paused_s += time.perf_counter() - e0
+                rows.append({"time_s": now, "epoch": step * per_step / n_train,
+                             "test_accuracy": acc, "test_loss": loss})
+                if tta_s is None and acc >= run.target_accuracy:
+                    tta_s = now
+                flag.fill_(1.0 if tta_s is not None else 0.0)
+            dist.broadcast(flag, 0)
+            if flag.item() > 0:
+                break
+    if rank == 0:
+        out.put({"system": run.system, "tta_s": tta_s, "rows": rows,
+                 "final_accuracy": rows[-1]["test_accuracy"] if rows else 0.0,
+                 "epochs": rows[-1]["epoch"] if rows else 0.0,
+                 "time_s": rows[-1]["time_s"] if rows else 0.0,
+                 "overruns": throttle.overruns})
+
+
+def run_peer(run: PeerRun, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Spawn the peer's n processes, wait for rank 0's result."""
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, run, port, out), daemon=True)
+             for r in range(run.cluster.n)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    if out.empty():
+        raise RuntimeError(f"{run.system}: no result (exit codes {[p.exitcode for p in procs]})")
+    return out.get()
