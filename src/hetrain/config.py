@@ -95,6 +95,9 @@ class TrainConfig:
     compression: str = "none"
     """Compressor for pushes: none | fp16 | topk | qsgd (see hetrain.compress)."""
     compression_options: dict[str, Any] = field(default_factory=dict)
+    compress_pulls: bool = False
+    """Also compress pulls (PS strategies, simulator): the server sends each worker the
+    compressed difference between the global model and the worker's copy."""
     eval_every_epochs: float = 0.25
     """Evaluate the global model on the test set every this many epochs of samples."""
     threads: int = 1

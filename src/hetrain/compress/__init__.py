@@ -8,6 +8,8 @@ from hetrain.compress.base import (
     make_compressor,
     register_compressor,
 )
+from hetrain.compress.qsgd import QSGD
+from hetrain.compress.topk import TopK
 
-__all__ = ["COMPRESSORS", "Compressed", "Compressor", "ErrorFeedback", "make_compressor",
-           "register_compressor"]
+__all__ = ["COMPRESSORS", "QSGD", "Compressed", "Compressor", "ErrorFeedback", "TopK",
+           "make_compressor", "register_compressor"]

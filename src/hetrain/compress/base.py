@@ -31,6 +31,9 @@ class Compressor(ABC):
 
     name: ClassVar[str]
     lossy: ClassVar[bool] = True
+    error_feedback: ClassVar[bool] = True
+    """Wrap in `ErrorFeedback`: right for biased, contractive compressors (top-k, fp16); wrong
+    for unbiased ones whose error can exceed the input (QSGD), where the residual would grow."""
 
     @abstractmethod
     def compress(self, flat: Tensor) -> Compressed: ...
@@ -81,7 +84,7 @@ class ErrorFeedback:
         self.residual: Tensor | None = None
 
     def compress(self, flat: Tensor) -> Compressed:
-        if not self.compressor.lossy:
+        if not (self.compressor.lossy and self.compressor.error_feedback):
             return self.compressor.compress(flat)
         corrected = flat if self.residual is None else flat + self.residual
         c = self.compressor.compress(corrected)

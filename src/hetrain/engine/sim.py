@@ -24,6 +24,7 @@ import torch
 from hetrain.compress import Compressed, ErrorFeedback
 from hetrain.engine.core import DataOwner, Replica, Server, TaskResult
 from hetrain.engine.setup import Prepared
+from hetrain.errors import ConfigError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push, WorkTask
 from hetrain.workloads import evaluate
@@ -63,6 +64,14 @@ class Simulator:
             rep.load(init, self.server.buffers())
             self.replicas.append(rep)
         self.feedback = [ErrorFeedback(prep.compressor) for _ in range(cluster.n)]
+        # train.compress_pulls: the server tracks each worker's copy and sends it the compressed
+        # difference; what is not sent stays in the next difference (implicit error feedback)
+        self.shadow = None
+        if cfg.train.compress_pulls and prep.compressor.lossy:
+            if not prep.compressor.error_feedback:
+                raise ConfigError(f"train.compress_pulls needs a compressor with error feedback "
+                                  f"(topk, fp16); '{prep.compressor.name}' is not one")
+            self.shadow = [init.clone() for _ in range(cluster.n)]
         self.owner = DataOwner(prep.ctx.train_samples, cfg.train.seed)
         self.log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
                               cfg.stop.target_accuracy, cfg.stop.target_loss)
@@ -101,15 +110,21 @@ class Simulator:
         task = self.strategy.next_task(w)
         times = self.log.workers[w]
         times.idle_s += max(0.0, t - collective_s - self.ready_at[w])
+        params = self.server.params()
         if self.strategy.comm == "ps":
             pull_bytes = self.p.ctx.model_bytes + task.data_bytes
+            if self.shadow is not None:  # compressed pull: send what the worker's copy lacks
+                sent = self.p.compressor.compress(params - self.shadow[w])
+                self.shadow[w] += self.p.compressor.extract(sent)
+                params = self.shadow[w].clone()
+                pull_bytes += sent.nbytes - self.p.ctx.model_bytes
             start = self._ps_transfer(t, w, pull_bytes, "out")
             times.bytes_received += pull_bytes
         else:
             start = t
         times.comm_s += start - t + collective_s
         rep = self.replicas[w]
-        rep.load(self.server.params(), self.server.buffers())
+        rep.load(params, self.server.buffers())
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
         result = rep.run(task, self.strategy.update, batches)
         device = self.p.cluster.devices[w]

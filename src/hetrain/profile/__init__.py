@@ -1,7 +1,15 @@
 """ASHL stage 0: per-worker profiles (step, push, pull time) and the local-iteration plan."""
 
-from hetrain.profile.plan_iterations import LocalPlan, plan_for_fastest, plan_local_steps
+from hetrain.profile.plan_iterations import (
+    FractionalSteps,
+    LocalPlan,
+    OnlineCosts,
+    plan_for_comm_fraction,
+    plan_for_fastest,
+    plan_local_steps,
+)
 from hetrain.profile.profile import Profile, WorkerProfile, worker_profiles
 
-__all__ = ["LocalPlan", "Profile", "WorkerProfile", "plan_for_fastest", "plan_local_steps",
-           "worker_profiles"]
+__all__ = ["FractionalSteps", "LocalPlan", "OnlineCosts", "Profile", "WorkerProfile",
+           "plan_for_comm_fraction", "plan_for_fastest",
+           "plan_local_steps", "worker_profiles"]

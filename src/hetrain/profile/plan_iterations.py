@@ -12,10 +12,11 @@ iterations); `imbalance` reports max r_i / min r_i of the rounded plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from hetrain.errors import ConfigError
-from hetrain.profile.profile import Profile
+from hetrain.profile.profile import Profile, WorkerProfile
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class LocalPlan:
     """The target common round time T."""
     round_times_s: tuple[float, ...]
     """Predicted pull + H_i * step + push of each worker."""
+    targets: tuple[float, ...] = field(default=())
+    """The unrounded (T - c_i) / s_i, clipped to the step limits (for `FractionalSteps`)."""
 
     @property
     def imbalance(self) -> float:
@@ -49,10 +52,11 @@ def plan_local_steps(profile: Profile, min_steps: int = 1, round_time_s: float |
         w.comm_time_s + min_steps * w.step_time_s for w in workers)
     if t <= 0:
         raise ConfigError(f"local-step plan: round_time_s must be > 0, got {t}")
-    steps = tuple(min(max_steps, max(min_steps, round((t - w.comm_time_s) / w.step_time_s)))
-                  for w in workers)
+    targets = tuple(min(max_steps, max(min_steps, (t - w.comm_time_s) / w.step_time_s))
+                    for w in workers)
+    steps = tuple(min(max_steps, max(min_steps, round(x))) for x in targets)
     times = tuple(w.round_time_s(h) for w, h in zip(workers, steps, strict=True))
-    return LocalPlan(steps, t, times)
+    return LocalPlan(steps, t, times, targets)
 
 
 def plan_for_fastest(profile: Profile, fastest_steps: int, min_steps: int = 1) -> LocalPlan:
@@ -67,3 +71,72 @@ def plan_for_fastest(profile: Profile, fastest_steps: int, min_steps: int = 1) -
     t = max(f.comm_time_s + fastest_steps * f.step_time_s,
             max(w.comm_time_s + min_steps * w.step_time_s for w in profile.workers))
     return plan_local_steps(profile, min_steps, round_time_s=t)
+
+
+class FractionalSteps:
+    """Whole local-step counts whose running mean is a fractional target (error diffusion).
+
+    Rounding a target of 1.5 steps to 2 every time makes that worker commit 25% less often
+    than planned; carrying the remainder to the next round (1, 2, 1, 2, ...) keeps the long-run
+    commit rate exact, which is what balances commit counts across workers.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.carry = [0.0] * n
+
+    def take(self, worker: int, target: float, min_steps: int = 1) -> int:
+        x = target + self.carry[worker]
+        steps = max(min_steps, math.floor(x + 1e-9))
+        self.carry[worker] = min(1.0, max(-1.0, x - steps))
+        return steps
+
+
+class OnlineCosts:
+    """Per-worker step and commit times: a profile first, then EMAs of what pushes report.
+
+    A push carries its measured compute time (`compute_s / steps` is the step time) and the
+    time of its pull plus push on the wire (`comm_s`, including queueing at the server), so
+    the plan follows devices that slow down without the strategy reading any clock.
+    """
+
+    def __init__(self, profile: Profile, weight: float = 0.3) -> None:
+        if not 0 < weight <= 1:
+            raise ConfigError(f"online costs: EMA weight must be in (0, 1], got {weight}")
+        self.base = profile
+        self.weight = weight
+        self.step_s = [w.step_time_s for w in profile.workers]
+        self.comm_s = [w.comm_time_s for w in profile.workers]
+
+    def observe(self, worker: int, compute_s: float, steps: int, comm_s: float) -> None:
+        a = self.weight
+        if steps > 0 and compute_s > 0:
+            self.step_s[worker] = (1 - a) * self.step_s[worker] + a * compute_s / steps
+        if comm_s >= 0:
+            self.comm_s[worker] = (1 - a) * self.comm_s[worker] + a * comm_s
+
+    def profile(self) -> Profile:
+        """The current estimate as a Profile (the commit time split like the base's)."""
+        workers = []
+        for w, step, comm in zip(self.base.workers, self.step_s, self.comm_s, strict=True):
+            share = w.pull_time_s / w.comm_time_s if w.comm_time_s > 0 else 0.5
+            workers.append(WorkerProfile(w.name, w.batch_size, step, comm * (1 - share),
+                                         comm * share))
+        return Profile(tuple(workers), self.base.model_bytes, self.base.push_bytes,
+                       self.base.source)
+
+
+def plan_for_comm_fraction(profile: Profile, comm_fraction: float,
+                           min_steps: int = 1) -> LocalPlan:
+    """The most frequent commits that keep every worker's wire time under a budget.
+
+    Worker i spends c_i of a round of length T communicating, so c_i / T <= f for all i needs
+    T >= max_i c_i / f; every worker also needs room for `min_steps` iterations, so
+    T = max(max_i (c_i + min_steps * s_i), max_i c_i / f). Where links are fast the rounds
+    shrink to the slowest worker's `min_steps` iterations; where they are slow (geo-distributed
+    sites) the rounds grow so that communication stays a fraction f of the time.
+    """
+    if not 0 < comm_fraction <= 1:
+        raise ConfigError(f"local-step plan: comm_fraction must be in (0, 1], got {comm_fraction}")
+    floor_s = max(w.comm_time_s + min_steps * w.step_time_s for w in profile.workers)
+    budget_s = max(w.comm_time_s for w in profile.workers) / comm_fraction
+    return plan_local_steps(profile, min_steps, round_time_s=max(floor_s, budget_s))

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +33,9 @@ import tomli_w
 
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
-from hetrain.strategies.base import RunContext
+
+if TYPE_CHECKING:  # strategies import this package; keep the import one-way at run time
+    from hetrain.strategies.base import RunContext
 
 
 @dataclass(frozen=True)

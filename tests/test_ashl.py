@@ -1,0 +1,146 @@
+"""ASHL: the plateau switch fires exactly once on a scripted loss curve (the strategy driven
+directly with Push records: it is a pure state machine), the stages' gaps and plans, the
+measured-profile path, and convergence on digits in the simulator."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hetrain.cluster import preset
+from hetrain.config import config_from_dict
+from hetrain.errors import ConfigError
+from hetrain.profile import Profile
+from hetrain.runner import run_config
+from hetrain.strategies import Push, RunContext, make_strategy
+from hetrain.strategies.ashl import PlateauSwitch
+
+
+def ctx(cluster: str = "hetero-8") -> RunContext:
+    return RunContext(cluster=preset(cluster), flops_per_sample=1e6, model_bytes=50_000,
+                      sample_bytes=160, train_samples=10_000, batch_size=32, lr=0.05)
+
+
+def scripted_losses(n: int = 400, seed: int = 0) -> list[float]:
+    """Fast decay, a plateau from ~push 150, then a second (late) drop and plateau."""
+    rng = np.random.default_rng(seed)
+    k = np.arange(n)
+    curve = 0.4 + 2.0 * np.exp(-k / 40) - 0.2 * (k > 300)
+    return list(curve * (1 + 0.01 * rng.standard_normal(n)))
+
+
+def expected_switch(losses: list[float], window: int, threshold: float, patience: int) -> int:
+    """The rule written out independently: index of the loss that completes the
+    `patience`-th consecutive window whose mean improved by less than `threshold`."""
+    means = [sum(losses[j:j + window]) / window for j in range(0, len(losses) - window + 1,
+                                                                 window)]
+    run = 0
+    for j in range(1, len(means)):
+        run = run + 1 if (means[j - 1] - means[j]) / means[j - 1] < threshold else 0
+        if run >= patience:
+            return (j + 1) * window - 1
+    raise AssertionError("the scripted curve must plateau")
+
+
+def test_plateau_switch_fires_exactly_once():
+    losses = scripted_losses()
+    rule = PlateauSwitch(window=16, threshold=0.02, patience=2)
+    fired = [i for i, x in enumerate(losses) if rule.feed(x)]
+    assert fired == [expected_switch(losses, 16, 0.02, 2)]
+    assert 100 < fired[0] < 300  # on the plateau, not in the decay nor at the late drop
+
+
+def test_ashl_switches_stage_exactly_once_when_driven_by_pushes():
+    s = make_strategy("ashl", switch_window=16, switch_threshold=0.02, switch_patience=2)
+    s.setup(ctx())
+    n = s.context.n_workers
+    ahl_round_s = s.plan.round_time_s
+    losses = scripted_losses()
+    stages, releases = [], []
+    for i, loss in enumerate(losses):
+        w = i % n
+        d = s.on_push(Push(worker=w, base_version=0, samples=32, steps=1, loss=loss,
+                           compute_s=s.costs.step_s[w], comm_s=s.costs.comm_s[w],
+                           arrival_s=0.01 * i))
+        stages.append(s.stage)
+        releases.append(d.release)
+        assert d.apply[0][0] == w
+    switches = [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
+    assert switches == [expected_switch(losses, 16, 0.02, 2)]
+    assert stages[0] == 1 and stages[-1] == 2
+    assert s.gate.bound == s.shl_gap and s.switch_time_s == pytest.approx(0.01 * switches[0])
+    assert s.plan.round_time_s < ahl_round_s  # SHL commits more often
+    assert all(r == (i % n,) for i, r in enumerate(releases))  # round robin: nobody held
+    stats = s.stats()
+    assert stats["ahl_pushes"] == switches[0] + 1 and stats["stage"] == 2
+
+
+def test_ahl_tolerates_a_large_gap_and_shl_a_small_one():
+    s = make_strategy("ashl", ahl_gap=3, shl_gap=0, switch_window=1000)
+    s.setup(ctx())
+
+    def push(w: int) -> tuple[int, ...]:
+        return s.on_push(Push(worker=w, base_version=0, samples=32, steps=1, loss=1.0,
+                              compute_s=0.1, comm_s=0.01, arrival_s=0.0)).release
+
+    assert [push(7) for _ in range(4)] == [(7,), (7,), (7,), ()]  # 4 ahead > 3: held
+    assert s.gate.set_bound(0) == ()  # the SHL bound (as the switch sets it)
+    assert [push(w) for w in range(6)] == [()] * 6  # lock-step: wait for the slowest...
+    assert push(6) == (0, 1, 2, 3, 4, 5, 6)  # ...which is worker 6; 7 is still 3 ahead
+
+
+def test_weights_make_a_round_the_sample_weighted_average():
+    s = make_strategy("ashl")
+    s.setup(ctx())
+    total = 0.0
+    for w in range(8):
+        steps = s.next_task(w).local_steps
+        d = s.on_push(Push(worker=w, base_version=0, samples=32 * steps, steps=steps,
+                           loss=1.0, compute_s=steps * s.costs.step_s[w],
+                           comm_s=s.costs.comm_s[w], arrival_s=0.0))
+        total += d.apply[0][1]
+    assert total == pytest.approx(1.0, rel=0.15)  # rounding of the planned steps only
+    uniform = make_strategy("ashl", weighting="uniform")
+    uniform.setup(ctx())
+    d = uniform.on_push(Push(0, 0, 32, 1, 1.0, 0.1, 0.01, 0.0))
+    assert d.apply == ((0, 1 / 8),)
+
+
+def test_stage_zero_reads_a_measured_profile(tmp_path):
+    p = Profile.from_context(ctx())
+    slow = [w.step_time_s * (3.0 if i == 7 else 1.0) for i, w in enumerate(p.workers)]
+    measured = Profile(tuple(type(w)(w.name, w.batch_size, t, w.push_time_s, w.pull_time_s)
+                             for w, t in zip(p.workers, slow, strict=True)),
+                       p.model_bytes, p.push_bytes, "measured")
+    path = tmp_path / "profile.json"
+    measured.save(path)
+    s = make_strategy("ashl", profile_path=str(path))
+    s.setup(ctx())
+    base = make_strategy("ashl")
+    base.setup(ctx())
+    assert s.stats()["profile_source"] == "measured"
+    assert s.plan.targets[7] == pytest.approx(base.plan.targets[7] / 3, rel=0.05)
+    with pytest.raises(ConfigError, match="workers"):
+        make_strategy("ashl", profile_path=str(path)).setup(ctx("hetero-4"))
+
+
+def test_bad_options_are_config_errors():
+    with pytest.raises(ConfigError, match="ahl_comm_fraction"):
+        make_strategy("ashl", ahl_comm_fraction=0.0)
+    with pytest.raises(ConfigError, match="switch_patience"):
+        make_strategy("ashl", switch_patience=0)
+
+
+def test_ashl_converges_on_digits():
+    cfg = config_from_dict({"name": "t-ashl", "cluster": "hetero-4",
+                            "workload": {"model": "mlp", "dataset": "digits"},
+                            "strategy": {"name": "ashl"},
+                            "train": {"batch_size": 16, "eval_every_epochs": 1.0},
+                            "stop": {"max_epochs": 4.0}})
+    r = run_config(cfg, runs_root=None)
+    assert r.rows[0]["test_accuracy"] < 0.3
+    assert r.final_accuracy > 0.85
+    stats = r.summary["strategy_stats"]
+    assert stats["ahl_pushes"] > 0 and not math.isnan(r.summary["final_loss"])
