@@ -119,10 +119,20 @@ def test_port_in_use_is_a_clear_error() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"port {port}.*in use"):
+        with pytest.raises(ConfigError, match=rf"port {port}.*in use"):
             run_distributed(make_cfg(port=port), run_dir=None)
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="no checkpoint"):
         run_distributed(make_cfg(resume=True), run_dir=tmp_path / "none")
+
+
+@pytest.mark.slow
+def test_hung_worker_is_dropped_after_the_timeout(mnist1d_cnn_small) -> None:
+    cfg = make_cfg("test_async", worker_timeout_s=4.0)
+    r = run_distributed(cfg, run_dir=None, strategy=AsyncSGD(), workload=mnist1d_cnn_small,
+                        faults=fail_at(rank=2, task=2, kind="hang"))
+    assert r.summary["lost_workers"] == [1]
+    assert r.summary["epochs"] >= 0.1 - 1e-9
+

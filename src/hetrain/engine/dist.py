@@ -214,6 +214,8 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     finally:
         for conn in pipes:  # rank 0 failed before sending the workload: release the workers
             conn.send(None)
+        for rank in (result.summary.get("lost_workers", []) if result is not None else []):
+            procs[rank].terminate()  # dropped as hung: it will not exit by itself
         for p in procs:
             p.join(JOIN_TIMEOUT_S)
             if p.is_alive():
