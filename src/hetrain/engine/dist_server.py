@@ -84,6 +84,7 @@ class Coordinator:
         self.done = False
         self.updates_since_ckpt = 0
         self.allreduce = self.strategy.comm == "allreduce"
+        self.pending_apply: dict[int, float] = {}
         self.model_time_scale = (emulation.get("time_scale", 1.0)
                                  if emulation.get("mode", "none") != "none" else 1.0)
         """Wall seconds per Cluster-model second (what Push times are divided by)."""
@@ -168,6 +169,8 @@ class Coordinator:
         task = self.strategy.next_task(w)
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
+        if w in self.pending_apply:
+            msg["apply_weight"] = self.pending_apply.pop(w)
         if not self.allreduce:
             msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
             self.base_version[w] = self.server.version
@@ -241,12 +244,20 @@ class Coordinator:
         if missing:
             raise RuntimeError(f"strategy '{self.strategy.name}' (comm=allreduce) applied without"
                                f" live workers {missing}: a collective needs every live worker")
-        for w in sorted(self.live):
-            self.outbox.send({"kind": "apply", "weight": float(weights[w])}, w + 1)
+        # Sent with each worker's next task (one message per round instead of two), or on
+        # its own before anything else needs the all-reduced model (`_flush_applies`).
+        self.pending_apply = {w: float(weights[w]) for w in sorted(self.live)}
         self.server.version += 1
+
+    def _flush_applies(self) -> None:
+        for w, weight in sorted(self.pending_apply.items()):
+            if w in self.live:
+                self.outbox.send({"kind": "apply", "weight": weight}, w + 1)
+        self.pending_apply = {}
 
     def _pull_state(self, src: int | None = None) -> None:
         """Allreduce mode: fetch the global model from a waiting worker (default: the first)."""
+        self._flush_applies()
         src = min(self.live) if src is None else src
         self.outbox.send({"kind": "state"}, src + 1)
         kind, _, msg, _ = self.inbox.request(src + 1, self.cfg.dist.worker_timeout_s)
@@ -348,6 +359,7 @@ class Coordinator:
                 self._take_times(src - 1, obj)
 
     def _stop_workers(self) -> None:
+        self._flush_applies()
         for w in sorted(self.live):
             self.outbox.send({"kind": "stop"}, w + 1)
             self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)

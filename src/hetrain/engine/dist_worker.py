@@ -109,6 +109,8 @@ class Worker:
                 self._send({"kind": "bye"})
                 return
             if kind == "task":
+                if "apply_weight" in msg:  # the last round's all-reduce rides with the task
+                    self._apply(msg["apply_weight"])
                 self._task(msg)
             elif kind == "apply":
                 self._apply(msg["weight"])
