@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,22 @@ class _InFlight:
     push_started_s: float = 0.0
 
 
+SpeedSchedule = Sequence[tuple[float, int, float]]
+"""(time_s, device_index, factor): from virtual time time_s on, the device runs at factor times
+its cluster FLOP/s (later entries override earlier ones; a task keeps the speed it started at)."""
+
+
 class Simulator:
-    """Runs one prepared run on a virtual clock."""
+    """Runs one prepared run on a virtual clock (optionally changing device speeds mid-run)."""
 
     def __init__(self, prep: Prepared, run_dir: Path | None = None,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, speed_schedule: SpeedSchedule = ()) -> None:
         self.p = prep
+        for time_s, dev, factor in speed_schedule:
+            if not (0 <= dev < prep.cluster.n and factor > 0 and time_s >= 0):
+                raise ValueError(f"bad speed_schedule entry {(time_s, dev, factor)}: need "
+                                 f"time_s >= 0, 0 <= device < {prep.cluster.n}, factor > 0")
+        self.speed_schedule = sorted(speed_schedule, key=lambda e: e[0])
         cfg, cluster, wl = prep.cfg, prep.cluster, prep.workload
         self.strategy = prep.strategy
         self.progress = progress
@@ -128,6 +138,9 @@ class Simulator:
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
         result = rep.run(task, self.strategy.update, batches)
         device = self.p.cluster.devices[w]
+        factor = next((f for s, d, f in reversed(self.speed_schedule) if d == w and s <= t), 1.0)
+        if factor != 1.0:
+            device = replace(device, flops=device.flops * factor)
         compute = device.compute_time_s(task.samples, self.p.ctx.flops_per_sample,
                                         task.local_steps)
         times.busy_s += compute
@@ -242,5 +255,5 @@ class Simulator:
 
 
 def simulate(prep: Prepared, run_dir: Path | None = None,
-             progress: ProgressFn | None = None) -> RunResult:
-    return Simulator(prep, run_dir, progress).run()
+             progress: ProgressFn | None = None, speed_schedule: SpeedSchedule = ()) -> RunResult:
+    return Simulator(prep, run_dir, progress, speed_schedule).run()

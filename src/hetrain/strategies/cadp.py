@@ -1,0 +1,251 @@
+"""C-ADP: the data owner / parameter server hands each device a share sized to its speed and
+link, devices train locally for H steps, push their delta, and the PS averages by share.
+
+Round r (synchronous: a barrier over the workers with a non-zero share):
+  1. the PS sends the model and worker j's share x_j of samples (with the pull, when ship_data;
+     with cache_data a device keeps what it received, so once it holds its partition of the
+     data set, x_j / S of it, only a grown share is shipped: data moves about once);
+  2. worker j runs H local steps of batch x_j / H with the inner optimizer;
+  3. it pushes delta_j = theta - theta_j; the PS applies sum_j (x_j / S) delta_j (FedAvg by share,
+     then the outer SGD: lr 1 without momentum is the share-weighted average of the replicas).
+
+Batch and learning-rate rule (what keeps convergence). Every active device runs the SAME number
+of local steps H, with a batch proportional to its share, so a step takes about the same time
+on every device (exactly so where fixed costs are equal) and the share-weighted average of the deltas is, for H = 1 and plain SGD, exactly
+one SGD step on the union of the batches (global batch G = S / H). Devices therefore differ only
+in batch size, never in how far they drift (no FedNova correction is needed; with i.i.d. shares
+from one shuffled stream the local objectives agree). The learning rate follows the global batch
+against DDP's (n * train.batch_size): lr_scale = min(max_lr_scale, (G / (n B_ref))^p) with p = 1
+(linear scaling, Goyal et al.), 0.5 (sqrt) or 0 (none), the same for all workers.
+
+Sizes. The mean per-worker batch B is at least train.batch_size and large enough that the
+per-step overhead stays under overhead_fraction of a step: a step lasts tau = B / v_mean on every
+device, so B >= step_overhead_s * v_mean / overhead_fraction. H (auto) makes the speed-weighted
+communication time at most comm_fraction of a round: H >= comm_w / (comm_fraction * tau)
+(plan.allocate.choose_local_steps), clamped to [min_local_steps, max_local_steps] and to at
+least one synchronisation per epoch; B is also capped so that an epoch has at least
+min_steps_per_epoch global steps. S = H * n * B samples per round; shares come from
+plan.allocate.allocate (exact water-filling + optimal integer rounding in units of H samples).
+
+Co-adaptation. Every push updates an exponential moving average of the device's per-sample
+compute time ((compute_s - steps * step_overhead_s) / samples) and its fixed communication time
+(comm_s minus the modelled transfer of the shipped share); every `replan_every` rounds the shares
+are re-planned from these estimates, so a device that slows down mid-run gets less work.
+Zero-share devices stay idle (they are sent the model with their next non-zero share); in the
+first round the engine starts every worker, so a zero-share worker runs a 1-sample probe whose
+push is measured and folded in with weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetrain.errors import ConfigError
+from hetrain.plan.allocate import Allocation, RoundWork, allocate, choose_local_steps, round_costs
+from hetrain.strategies.base import Decision, OuterOptimizer, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.registry import register
+
+LR_SCALING = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
+
+
+@register
+@dataclass
+class CADP(Strategy):
+    """Heterogeneity-aware shares, H local steps, share-weighted delta averaging at a PS."""
+
+    name = "cadp"
+    comm = "ps"
+    update = "delta"
+
+    local_steps: int = 0
+    """H, local steps between two synchronisations; 0: auto from the comm/compute ratio."""
+    min_local_steps: int = 1
+    """Lower bound of the auto H."""
+    max_local_steps: int = 32
+    """Upper bound of the auto H (replicas drift apart when H grows)."""
+    comm_fraction: float = 0.02
+    """Auto H: speed-weighted pull + push time at most this fraction of a round."""
+    batch_size: int = 0
+    """Mean per-worker batch B per step; 0: auto (>= train.batch_size, overhead bound)."""
+    overhead_fraction: float = 0.02
+    """Auto B: per-step fixed overhead at most this fraction of a step."""
+    min_steps_per_epoch: int = 16
+    """Auto B: at most train_samples / (this * n) per worker (small data sets, tiny models)."""
+    lr_scaling: str = "linear"
+    """linear | sqrt | none: lr_scale = (global batch / DDP's global batch)^p, capped."""
+    max_lr_scale: float = 4.0
+    """Cap of lr_scale (linear scaling breaks down for very large batches)."""
+    ship_data: bool = True
+    """The data owner ships the shares with the pulls (charged on the worker's link)."""
+    cache_data: bool = True
+    """Devices keep the samples they received: once a device holds its partition of the data
+    set (share / S of it), only growth of its share is shipped; False: ship every round. (The
+    engine still draws every batch from the owner's shuffled stream; with i.i.d. data that is
+    statistically the same as re-reading a random partition.)"""
+    replan_every: int = 1
+    """Re-plan the shares from measured times every K rounds; 0: never."""
+    ema_weight: float = 0.5
+    """Weight of the newest measurement in the moving averages of compute and comm times."""
+    activation_bytes_per_sample: int = 0
+    """Activation memory per sample of a batch, for the memory cap; 0: not modelled."""
+    outer_lr: float = 1.0
+    """Outer SGD learning rate on the share-weighted delta (1: plain weighted averaging)."""
+    outer_momentum: float = 0.0
+    """Outer Nesterov momentum (DiLoCo-style; helps when rounds are few, see the benchmark)."""
+
+    plan: Allocation | None = field(default=None, init=False, repr=False)
+    history: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
+    """The shares of every plan made (the first at setup, then one per re-plan)."""
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"strategy cadp: {msg}")
+
+        if self.local_steps < 0:
+            raise bad(f"local_steps must be >= 0 (0: auto), got {self.local_steps}")
+        if not 1 <= self.min_local_steps <= self.max_local_steps:
+            raise bad("need 1 <= min_local_steps <= max_local_steps")
+        if not 0 < self.comm_fraction < 1 or not 0 < self.overhead_fraction < 1:
+            raise bad("comm_fraction and overhead_fraction must be in (0, 1)")
+        if self.min_steps_per_epoch < 1:
+            raise bad("min_steps_per_epoch must be >= 1")
+        if self.batch_size < 0:
+            raise bad(f"batch_size must be >= 0 (0: auto), got {self.batch_size}")
+        if self.lr_scaling not in LR_SCALING:
+            raise bad(f"lr_scaling = {self.lr_scaling!r}; choose one of {', '.join(LR_SCALING)}")
+        if self.max_lr_scale < 1:
+            raise bad("max_lr_scale must be >= 1")
+        if self.replan_every < 0:
+            raise bad("replan_every must be >= 0 (0: never re-plan)")
+        if not 0 < self.ema_weight <= 1:
+            raise bad("ema_weight must be in (0, 1]")
+        if self.activation_bytes_per_sample < 0:
+            raise bad("activation_bytes_per_sample must be >= 0")
+        if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:
+            raise bad("outer_lr must be in (0, 2] and outer_momentum in [0, 1)")
+
+    # ---- planning -------------------------------------------------------------------------
+    def setup(self, ctx: RunContext) -> None:
+        super().setup(ctx)
+        cl, n = ctx.cluster, ctx.n_workers
+        self._overhead_s = np.array([d.step_overhead_s for d in cl.devices])
+        self._ship_s = np.array([ctx.sample_bytes / cl.ps_link(j).bandwidth_Bps
+                                 if self.ship_data else 0.0 for j in range(n)])
+        memory = RoundWork(samples=0, flops_per_sample=ctx.flops_per_sample,
+                           model_bytes=ctx.model_bytes, steps=0, ship_data=False)
+        comm0, compute0, _ = round_costs(cl, memory)
+        self._comm_s, self._compute_s = np.array(comm0), np.array(compute0)   # priors
+        speed = 1.0 / self._compute_s                                          # samples/s
+        v_mean = float(speed.mean())
+        overhead_bound = math.ceil(float(self._overhead_s.max()) * v_mean / self.overhead_fraction)
+        epoch_bound = ctx.train_samples // (self.min_steps_per_epoch * n)
+        self.mean_batch = self.batch_size or max(ctx.batch_size, min(overhead_bound, epoch_bound))
+        self.global_batch = n * self.mean_batch
+        step_s = self.mean_batch / v_mean
+        comm_w = float((speed * self._comm_s).sum() / speed.sum())
+        self.steps = self.local_steps or min(
+            choose_local_steps(comm_w, step_s, self.comm_fraction, self.min_local_steps,
+                               self.max_local_steps),
+            max(self.min_local_steps, ctx.train_samples // self.global_batch))
+        self.samples_per_round = self.steps * self.global_batch
+        ratio = self.global_batch / (n * ctx.batch_size)
+        self.lr_scale = min(self.max_lr_scale, ratio ** LR_SCALING[self.lr_scaling])
+        stored = ctx.sample_bytes * (ctx.train_samples / self.samples_per_round if self.cache_data
+                                     else 1.0) if self.ship_data else 0.0
+        per_sample_mem = stored + self.activation_bytes_per_sample / self.steps
+        caps_work = RoundWork(samples=self.samples_per_round, flops_per_sample=ctx.flops_per_sample,
+                              model_bytes=ctx.model_bytes, memory_fixed_bytes=4 * ctx.model_bytes,
+                              memory_per_sample_bytes=per_sample_mem)
+        self._caps = round_costs(cl, caps_work)[2]
+        self.rounds = self.replans = 0
+        self._held = np.zeros(n, dtype=np.int64)       # samples a device has cached
+        self._shipped = np.zeros(n, dtype=np.int64)    # samples shipped with its current task
+        self.plan, self.history = None, []
+        self._replan()
+        self._members = {j for j in range(n) if self._shares[j] > 0}
+        self._pending: dict[int, Push] = {}
+        self._strays: list[int] = []
+        self._inflight: set[int] = set()
+
+    def _partition(self, worker: int) -> int:
+        """Samples of the data set device `worker` holds at its current share (cache mode)."""
+        return math.ceil(self._shares[worker] * self.context.train_samples
+                         / self.samples_per_round)
+
+    def _to_ship(self, worker: int, share: int) -> int:
+        if not self.ship_data:
+            return 0
+        if not self.cache_data:
+            return share
+        return int(min(share, max(0, self._partition(worker) - self._held[worker])))
+
+    def _replan(self) -> None:
+        fixed = self._comm_s + self.steps * self._overhead_s
+        ships = np.array([self.ship_data and (not self.cache_data or self.plan is None
+                                              or self._held[j] < self._partition(j))
+                          for j in range(len(fixed))])
+        self.plan = allocate(fixed, self._compute_s + self._ship_s * ships,
+                             self.samples_per_round, self._caps, granularity=self.steps)
+        self._shares = self.plan.shares
+        self.history.append(self._shares)
+
+    def _observe(self, p: Push) -> None:
+        """Fold one push's measured times into the moving averages."""
+        j, w = p.worker, self.ema_weight
+        compute = max(p.compute_s - p.steps * self._overhead_s[j], 1e-3 * p.compute_s) / p.samples
+        comm = max(0.0, p.comm_s - self._ship_s[j] * self._shipped[j])
+        self._compute_s[j] = (1 - w) * self._compute_s[j] + w * compute
+        self._comm_s[j] = (1 - w) * self._comm_s[j] + w * comm
+
+    # ---- protocol -------------------------------------------------------------------------
+    def next_task(self, worker: int) -> WorkTask:
+        self._inflight.add(worker)
+        share = self._shares[worker] if worker in self._members else 0
+        ship = self._to_ship(worker, share) if share else int(self.ship_data)
+        self._shipped[worker] = ship
+        self._held[worker] += ship
+        data_bytes = ship * self.context.sample_bytes
+        if share == 0:  # the engine started a zero-share worker: a 1-sample probe
+            return WorkTask(1, 1, self.lr_scale, data_bytes)
+        return WorkTask(batch_size=share // self.steps, local_steps=self.steps,
+                        lr_scale=self.lr_scale, data_bytes=data_bytes)
+
+    def on_push(self, push: Push) -> Decision:
+        self._observe(push)
+        w = push.worker
+        self._inflight.discard(w)
+        if w in self._members and w not in self._pending:
+            self._pending[w] = push
+        else:
+            self._strays.append(w)
+        if len(self._pending) < len(self._members):
+            return Decision()
+        total = sum(p.samples for p in self._pending.values())
+        apply = tuple((j, p.samples / total) for j, p in sorted(self._pending.items()))
+        apply += tuple((j, 0.0) for j in self._strays)
+        self._pending, self._strays = {}, []
+        self.rounds += 1
+        if self.replan_every and self.rounds % self.replan_every == 0:
+            self._replan()
+            self.replans += 1
+        self._members = {j for j in range(len(self._shares))
+                         if self._shares[j] > 0 and j not in self._inflight}
+        return Decision(apply=apply, release=tuple(sorted(self._members)))
+
+    def outer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer_lr, self.outer_momentum, nesterov=self.outer_momentum > 0)
+
+    def stats(self) -> dict[str, float | int | str]:
+        plan = self.plan
+        assert plan is not None
+        speed_sum = float((1.0 / self._compute_s).sum())
+        return {"local_steps": self.steps, "mean_batch": self.mean_batch,
+                "global_batch": self.global_batch, "samples_per_round": self.samples_per_round,
+                "lr_scale": self.lr_scale, "rounds": self.rounds, "replans": self.replans,
+                "planned_round_s": plan.makespan_s,
+                "planned_efficiency": plan.total / plan.makespan_s / speed_sum,
+                "zero_share_workers": plan.n - len(plan.active),
+                "shares": ",".join(str(x) for x in plan.shares)}
