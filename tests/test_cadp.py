@@ -118,3 +118,32 @@ def test_a_device_behind_a_hopeless_link_gets_no_share(digits_mlp) -> None:
     far = r.summary["workers"][0]
     assert far["samples"] <= 1 and far["busy_s"] < 0.01  # at most its 1-sample probe
     assert r.final_accuracy >= 0.9 and r.summary["time_s"] < 5.0
+
+
+def test_lost_worker_closes_the_round_and_its_share_is_replanned_to_the_others() -> None:
+    s = make_strategy("cadp", local_steps=2, batch_size=32)
+    s.setup(_ctx(preset("hetero-4")))
+    tasks = [s.next_task(w) for w in range(4)]
+    for w in range(3):
+        assert s.on_push(_push(w, tasks[w].samples, 2, tasks[w].samples / 400)).apply == ()
+    d = s.on_worker_lost(3)  # the fastest device dies before pushing
+    assert d is not None and [w for w, _ in d.apply] == [0, 1, 2]
+    assert sum(wt for _, wt in d.apply) == pytest.approx(1.0)
+    assert d.release == (0, 1, 2)
+    assert s.history[-1][3] == 0 and sum(s.history[-1]) == s.samples_per_round
+    again = [s.next_task(w) for w in d.release]
+    assert sum(t.samples for t in again) == s.samples_per_round
+    for w, t in zip(d.release, again, strict=True):
+        d2 = s.on_push(_push(w, t.samples, 2, t.samples / 400))
+    assert d2.release == (0, 1, 2) and s.rounds == 2
+
+
+def test_lost_worker_between_rounds_is_simply_left_out() -> None:
+    s = make_strategy("cadp", local_steps=2, batch_size=32)
+    s.setup(_ctx(preset("hetero-4")))
+    tasks = [s.next_task(w) for w in range(4)]
+    for w in range(4):
+        d = s.on_push(_push(w, tasks[w].samples, 2, tasks[w].samples / 400))
+    assert d.release == (0, 1, 2, 3)
+    assert s.on_worker_lost(1) is None  # nobody has pushed in the new round yet
+    assert s.history[-1][1] == 0

@@ -136,3 +136,13 @@ def test_hung_worker_is_dropped_after_the_timeout(mnist1d_cnn_small) -> None:
     assert r.summary["lost_workers"] == [1]
     assert r.summary["epochs"] >= 0.1 - 1e-9
 
+
+
+def test_killed_worker_in_cadp_is_replanned_and_the_run_goes_on(tmp_path,
+                                                                  mnist1d_cnn_small) -> None:
+    r = run_distributed(make_cfg("cadp", epochs=0.2), run_dir=tmp_path / "c",
+                        faults=fail_at(rank=2, task=2), workload=mnist1d_cnn_small)
+    assert r.summary["lost_workers"] == [1]
+    assert r.summary["workers"][1]["pushes"] == 2
+    assert r.summary["epochs"] >= 0.2 - 1e-9
+    assert r.summary["strategy_stats"]["replans"] >= 2

@@ -169,6 +169,7 @@ class CADP(Strategy):
         self._pending: dict[int, Push] = {}
         self._strays: list[int] = []
         self._inflight: set[int] = set()
+        self._lost: set[int] = set()
 
     def _partition(self, worker: int) -> int:
         """Samples of the data set device `worker` holds at its current share (cache mode)."""
@@ -221,6 +222,22 @@ class CADP(Strategy):
             self._pending[w] = push
         else:
             self._strays.append(w)
+        return self._close_round()
+
+    def on_worker_lost(self, worker: int) -> Decision | None:
+        """Re-plan without the lost device: its share goes to the others (its cap becomes 0),
+        and a round that was only waiting for it completes now with the pushes it has."""
+        self._lost.add(worker)
+        self._inflight.discard(worker)
+        self._caps = np.where(np.arange(len(self._caps)) == worker, 0.0, self._caps)
+        self._members.discard(worker)
+        if worker not in self._pending:
+            self._replan()
+            self.replans += 1
+        return self._close_round() if self._pending else None
+
+    def _close_round(self) -> Decision:
+        """Apply the round once every member has pushed; re-plan; release the next members."""
         if len(self._pending) < len(self._members):
             return Decision()
         total = sum(p.samples for p in self._pending.values())
@@ -232,7 +249,8 @@ class CADP(Strategy):
             self._replan()
             self.replans += 1
         self._members = {j for j in range(len(self._shares))
-                         if self._shares[j] > 0 and j not in self._inflight}
+                         if self._shares[j] > 0 and j not in self._inflight
+                         and j not in self._lost}
         return Decision(apply=apply, release=tuple(sorted(self._members)))
 
     def outer(self) -> OuterOptimizer:
