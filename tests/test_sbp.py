@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -114,3 +115,25 @@ def test_single_device_axis_is_free() -> None:
     comm = MeshComm(homogeneous(2), Mesh((1,), (0,)))
     assert comm.boxing_s((P,), (B,), (8, 8)) == 0.0
     assert math.isinf(comm.ring[0][1])
+
+
+def test_collective_factors_correct_the_ring_formula() -> None:
+    c = homogeneous(4)
+    mesh = Mesh((4,), (0, 1, 2, 3))
+    ideal = MeshComm(c, mesh)
+    gloo = MeshComm(c, mesh, (("all_gather", 1.0, 2.0), ("reduce_scatter", 3.0, 1.0)))
+    T = 1e6
+    assert gloo.collective_s("all_reduce", 0, T) == ideal.collective_s("all_reduce", 0, T)
+    lan = c.sites[0].lan
+    assert gloo.collective_s("all_gather", 0, T) == pytest.approx(3 * (lan.latency_s + 2 * T / (4 * lan.bandwidth_Bps)))
+    assert gloo.collective_s("reduce_scatter", 0, T) == pytest.approx(3 * (3 * lan.latency_s + T / (4 * lan.bandwidth_Bps)))
+
+
+def test_boxing_path_is_the_priced_route() -> None:
+    comm = MeshComm(homogeneous(4), Mesh((2, 2), (0, 1, 2, 3)))
+    path = comm.boxing_path((P, P), (B, B), (128, 64))
+    assert path[0] == (P, P) and path[-1] == (B, B)
+    assert all(sum(a != b for a, b in zip(x, y, strict=True)) == 1 for x, y in itertools.pairwise(path))
+    steps = sum(comm.boxing_s(x, y, (128, 64)) for x, y in itertools.pairwise(path))
+    assert steps == pytest.approx(comm.boxing_s((P, P), (B, B), (128, 64)))
+    assert len(path) == 4  # reduce-scatter, all-reduce of a quarter, all-gather

@@ -11,6 +11,9 @@ with DTensor's own sharding propagation, so it is correct for any plan; its comm
 follows DTensor, which can differ from the model's choice for those ops. Data parallelism is
 Shard(0) inputs with Replicate weights: their gradients come back Partial and `step`
 redistributes them to the weights' placements (the gradient all-reduce) before the update.
+Every redistribution the executor makes follows the cost model's cheapest boxing path
+(sbp.MeshComm.boxing_path on the given Cluster), one mesh axis per step, so a (P, P) ->
+(B, B) gradient on a 2-D mesh runs as reduce-scatter, all-reduce of a quarter, all-gather.
 
 Modules the graph does not name (position embedding, dropout) keep replicated parameters;
 their plain-tensor inputs are made replicated DTensors. Pipeline plans are not executed here.
@@ -19,7 +22,7 @@ their plain-tensor inputs are made replicated DTensors. Pipeline plans are not e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +38,23 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hetrain.cluster import Cluster, homogeneous
 from hetrain.errors import ConfigError
 from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
 from hetrain.plan.cost import Plan
 from hetrain.plan.graph import LayerGraph, Op
-from hetrain.plan.sbp import Broadcast, NdSbp, NdSignature, Split, signatures
+from hetrain.plan.sbp import (
+    B,
+    Broadcast,
+    MeshComm,
+    NdSbp,
+    NdSignature,
+    P,
+    Sbp,
+    Split,
+    mesh_comm,
+    signatures,
+)
 
 
 def to_placements(nd: NdSbp) -> list[Placement]:
@@ -47,9 +62,38 @@ def to_placements(nd: NdSbp) -> list[Placement]:
             else Partial() for s in nd]
 
 
-def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: list[Placement]) -> Tensor:
+def from_placements(placements: Sequence[Placement]) -> NdSbp | None:
+    """The SBP of plain DTensor placements (None for others, e.g. a masked partial)."""
+    out: list[Sbp] = []
+    for p in placements:
+        if type(p) is Shard:
+            out.append(Split(p.dim))
+        elif type(p) is Replicate:
+            out.append(B)
+        elif type(p) is Partial and p.reduce_op == "sum":
+            out.append(P)
+        else:
+            return None
+    return tuple(out)
+
+
+def box(x: DTensor, placements: list[Placement], comm: MeshComm | None) -> DTensor:
+    """Redistribute along the cost model's cheapest boxing path (e.g. the hierarchical
+    all-reduce on a 2-D mesh), one mesh axis per step; directly when no path applies."""
+    if list(x.placements) == placements:
+        return x
+    src, dst = from_placements(x.placements), from_placements(placements)
+    if comm is None or src is None or dst is None or x.ndim == 0:
+        return x.redistribute(x.device_mesh, placements)
+    for state in comm.boxing_path(src, dst, tuple(x.shape), x.element_size())[1:]:
+        x = x.redistribute(x.device_mesh, to_placements(state))
+    return x
+
+
+def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: list[Placement],
+                comm: MeshComm | None = None) -> Tensor:
     if isinstance(x, DTensor):
-        return x if list(x.placements) == placements else x.redistribute(mesh, placements)
+        return box(x, placements, comm)
     # every rank holds the same global tensor (same seed, same batch): slice locally, no comm
     plain = [Replicate() if isinstance(p, Partial) else p for p in placements]
     return distribute_tensor(x, mesh, plain, src_data_rank=None)
@@ -84,9 +128,11 @@ class PlanExecutor:
     global batch; it returns the global mean loss (same value on every rank)."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan, mesh: DeviceMesh,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor]):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None):
         register_cpu_sdpa_sharding()
         self.sigs = resolve_signatures(graph, plan)
+        pm = plan.stages[0].mesh
+        self.comm = mesh_comm(cluster or homogeneous(max(pm.devices) + 1), pm)
         if tuple(mesh.shape) != plan.stages[0].mesh.shape:
             raise ConfigError(f"device mesh {tuple(mesh.shape)} does not match the plan's "
                               f"{plan.stages[0].mesh.shape}")
@@ -117,7 +163,7 @@ class PlanExecutor:
                 None if isinstance(x, DTensor) else [Replicate()] * mesh.ndim)
             if target is None or not isinstance(x, Tensor):
                 return args
-            return (_as_dtensor(x, mesh, target), *args[1:])
+            return (_as_dtensor(x, mesh, target, self.comm), *args[1:])
 
         return hook
 
@@ -125,7 +171,7 @@ class PlanExecutor:
         if self.loss_sig is None:
             return self.loss_fn(out, _as_dtensor(y, self.mesh, [Replicate()] * self.mesh.ndim))
         ins = self.loss_sig.ins(0)
-        out = _as_dtensor(out, self.mesh, to_placements(ins))
+        out = _as_dtensor(out, self.mesh, to_placements(ins), self.comm)
         y_pl = [Shard(0) if s == Split(0) else Replicate() for s in ins]
         return self.loss_fn(out, _as_dtensor(y, self.mesh, y_pl))
 
@@ -140,7 +186,7 @@ class PlanExecutor:
         for p in self.model.parameters():  # gradient synchronisation: Partial -> placement
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-                p.grad = g.redistribute(p.device_mesh, p.placements)
+                p.grad = box(g, list(p.placements), self.comm)
         return loss
 
     def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer) -> float:

@@ -42,6 +42,7 @@ from hetrain.errors import ConfigError
 from hetrain.plan.graph import LayerGraph, Op
 from hetrain.plan.sbp import (
     B,
+    CollectiveFactors,
     Mesh,
     NdSbp,
     NdSignature,
@@ -61,6 +62,9 @@ class CostOptions:
     """Optimizer state bytes per parameter byte (Adam: 2, SGD with momentum: 1, SGD: 0)."""
     keep_activations: bool = True
     """Count every op output as saved for backward."""
+    collective_factors: CollectiveFactors = ()
+    """Per-collective corrections to the ring formulas, from a profile of the collective
+    library (see sbp.CollectiveFactors); () is the ideal ring."""
 
     def __post_init__(self) -> None:
         if self.optimizer_states < 0:
@@ -172,7 +176,7 @@ class StageTables:
                  options: CostOptions | None = None):
         self.graph, self.mesh, self.cluster = graph, mesh, cluster
         self.options = options or CostOptions()
-        self.comm = mesh_comm(cluster, mesh)
+        self.comm = mesh_comm(cluster, mesh, self.options.collective_factors)
         members = [cluster.devices[d] for d in mesh.devices]
         self.min_speed = min(d.flops for d in members)
         self.memory_limit_bytes = min(d.memory_bytes for d in members)

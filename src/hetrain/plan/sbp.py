@@ -19,7 +19,12 @@ hop's bandwidth, where concurrent rings of one mesh axis that leave a site share
 uplink (so the outer axis of a sites x local mesh pays WAN bandwidth / (rings crossing)).
 On an n-D mesh boxing changes one axis at a time; a shortest path over intermediate
 placements finds e.g. the hierarchical all-reduce (reduce-scatter inside the site, all-reduce
-across sites on 1/p of the bytes, all-gather inside).
+across sites on 1/p of the bytes, all-gather inside); `boxing_path` gives that route so the
+executor can follow it.
+
+Signatures are restricted to what the DTensor executor runs (torch 2.13): convolutions split
+the batch only (no channel parallelism, no batch split over both axes of a 2-D mesh), and the
+vocab-parallel loss is 1-D only.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ class Partial:
 
 Sbp = Split | Broadcast | Partial
 NdSbp = tuple[Sbp, ...]
+CollectiveFactors = tuple[tuple[str, float, float], ...]
+"""(collective, latency factor, time-per-byte factor) measured against the ring formula, for a
+collective library that departs from it (e.g. gloo's all-gather is as slow as its all-reduce)."""
 B, P = Broadcast(), Partial()
 
 
@@ -197,17 +205,29 @@ class Mesh:
         return rows if axis == 1 else [tuple(r[j] for r in rows) for j in range(b)]
 
 
+@lru_cache(maxsize=1024)
+def _valid_states(divisible: tuple[tuple[bool, ...], ...], ms: tuple[int, ...]) -> frozenset[NdSbp]:
+    """The placements (one per axis) of a tensor whose dim d is divisible by mesh axis sizes
+    as `divisible[d]` says (per axis, then by the whole mesh): the Dijkstra states."""
+    ks = (*ms, math.prod(ms))
+    # a representative shape with the same divisibility: the lcm of the sizes that divide
+    shape = tuple(math.lcm(*(k for k, ok in zip(ks, div, strict=True) if ok), 1) for div in divisible)
+    options = [B, P, *(Split(d) for d in range(len(shape)))]
+    return frozenset(nd for nd in itertools.product(options, repeat=len(ms)) if _divides(shape, nd, ms))
+
+
 @lru_cache(maxsize=256)
-def mesh_comm(cluster: Cluster, mesh: Mesh) -> MeshComm:
+def mesh_comm(cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = ()) -> MeshComm:
     """The (cached) MeshComm of a mesh: boxing results are reused across searches."""
-    return MeshComm(cluster, mesh)
+    return MeshComm(cluster, mesh, factors)
 
 
 class MeshComm:
     """Collective and boxing times on one mesh of one cluster (cached)."""
 
-    def __init__(self, cluster: Cluster, mesh: Mesh):
+    def __init__(self, cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = ()):
         self.cluster, self.mesh = cluster, mesh
+        self.factors = {k: (fa, fb) for k, fa, fb in factors}
         for i in mesh.devices:
             if not 0 <= i < cluster.n:
                 raise ConfigError(f"mesh device {i} is not in cluster '{cluster.name}' (n={cluster.n})")
@@ -215,6 +235,7 @@ class MeshComm:
         self.rounds = [[self._flows_alpha_beta(fl) for fl in self._a2a_flows(ax)]
                        for ax in range(len(mesh.shape))]
         self._box = lru_cache(maxsize=None)(self._boxing_s)
+        self._from = lru_cache(maxsize=None)(self._distances)
 
     def _ring_flows(self, axis: int) -> list[tuple[int, int]]:
         flows = []
@@ -257,13 +278,15 @@ class MeshComm:
         p = self.mesh.shape[axis]
         if p == 1 or nbytes <= 0:
             return 0.0
+        fa, fb = self.factors.get(kind, (1.0, 1.0))
         alpha, beta = self.ring[axis]
+        alpha, beta = fa * alpha, beta / fb
         if kind in ("all_gather", "reduce_scatter"):
             return (p - 1) * (alpha + nbytes / (p * beta))
         if kind == "all_reduce":
             return 2 * (p - 1) * (alpha + nbytes / (p * beta))
         if kind == "all_to_all":
-            return sum(a + nbytes / (p * p * b) for a, b in self.rounds[axis])
+            return sum(fa * a + fb * nbytes / (p * p * b) for a, b in self.rounds[axis])
         raise ValueError(f"unknown collective '{kind}'")
 
     @staticmethod
@@ -282,30 +305,52 @@ class MeshComm:
         return self._box(src, dst, shape, dtype_bytes)
 
     def _boxing_s(self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...], dtype_bytes: int) -> float:
+        if len(self.mesh.shape) == 1:
+            kind = self.transition(src[0], dst[0])
+            total = float(math.prod(shape)) * dtype_bytes
+            return 0.0 if kind is None else self.collective_s(kind, 0, total)
+        dist, _ = self._from(src, shape, dtype_bytes)
+        if dst not in dist:
+            raise ValueError(f"no boxing path from {src} to {dst} for shape {shape}")
+        return dist[dst]
+
+    def boxing_path(self, src: NdSbp, dst: NdSbp, shape: tuple[int, ...],
+                    dtype_bytes: int = 4) -> list[NdSbp]:
+        """The placements the cheapest boxing passes through, src first, dst last (one axis
+        changes per step): what an executor should redistribute along."""
+        if src == dst or len(self.mesh.shape) == 1:
+            return [src] if src == dst else [src, dst]
+        _, prev = self._from(src, shape, dtype_bytes)
+        path = [dst]
+        while path[-1] != src:
+            path.append(prev[path[-1]])
+        return path[::-1]
+
+    def _distances(self, src: NdSbp, shape: tuple[int, ...],
+                   dtype_bytes: int) -> tuple[dict[NdSbp, float], dict[NdSbp, NdSbp]]:
+        """Dijkstra from src over the placements of a tensor, one axis changing per step."""
         total = float(math.prod(shape)) * dtype_bytes
         ms = self.mesh.shape
-        if len(ms) == 1:
-            kind = self.transition(src[0], dst[0])
-            return 0.0 if kind is None else self.collective_s(kind, 0, total)
         options = [B, P, *(Split(d) for d in range(len(shape)))]
-        valid = {nd for nd in itertools.product(options, repeat=len(ms)) if _divides(shape, nd, ms)}
-        dist, heap, tie = {src: 0.0}, [(0.0, 0, src)], itertools.count(1)
-        while heap:  # Dijkstra over placements, one axis changing per step
+        valid = _valid_states(tuple(tuple(size % k == 0 for k in (*ms, math.prod(ms)))
+                                    for size in shape), ms)
+        dist, heap, tie, done = {src: 0.0}, [(0.0, 0, src)], itertools.count(1), set()
+        prev: dict[NdSbp, NdSbp] = {}
+        while heap:
             t, _, cur = heapq.heappop(heap)
-            if cur == dst:
-                return t
-            if t > dist.get(cur, math.inf):
+            if cur in done:
                 continue
+            done.add(cur)
             for k in range(len(ms)):
                 local = total / math.prod(ms[j] for j in range(len(ms))
                                           if j != k and isinstance(cur[j], Split))
                 for place in options:
                     nxt = (*cur[:k], place, *cur[k + 1:])
-                    if place == cur[k] or nxt not in valid:
+                    if place == cur[k] or nxt not in valid or nxt in done:
                         continue
                     kind = self.transition(cur[k], place)
                     nt = t + (0.0 if kind is None else self.collective_s(kind, k, local))
                     if nt < dist.get(nxt, math.inf):
-                        dist[nxt] = nt
+                        dist[nxt], prev[nxt] = nt, cur
                         heapq.heappush(heap, (nt, next(tie), nxt))
-        raise ValueError(f"no boxing path from {src} to {dst} for shape {shape}")
+        return dist, prev

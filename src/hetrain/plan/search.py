@@ -86,7 +86,7 @@ def coordinate_descent(tab: StageTables, start: list[int], max_sweeps: int = 50,
         adj[v].append((e, False))
     mem_total = tab.memory_bytes(a)
     pairs = [(min(u, v), max(u, v)) for u, v, _ in tab.edges]
-    parallel = {e for e, pr in enumerate(pairs) if pairs.count(pr) > 1}  # joint move skipped
+    parallel = {e for e, pr in enumerate(pairs) if pairs.count(pr) > 1 or pr[0] == pr[1]}
 
     def op_vec(i: int, skip: int = -1) -> np.ndarray:
         t = tab.node_time[i].copy()
@@ -97,27 +97,47 @@ def coordinate_descent(tab: StageTables, start: list[int], max_sweeps: int = 50,
             t += tab.edge[e][:, a[v]] if is_src else tab.edge[e][a[u], :]
         return t
 
+    nbrs = [{tab.edges[e][1] if src else tab.edges[e][0] for e, src in adj[i]} for i in range(n)]
+    dirty_ops, dirty_edges = set(range(n)), set(range(len(tab.edges))) - parallel
+
+    def changed(ops: tuple[int, ...], old_mem: float) -> None:
+        """Re-examine what a move can have changed: the ops next to it (their vectors read
+        its signature), the edges at those ops, and everything when memory was freed."""
+        if mem_total < old_mem:
+            dirty_ops.update(range(n))
+            dirty_edges.update(set(range(len(tab.edges))) - parallel)
+            return
+        for j in ops:
+            for k in (j, *nbrs[j]):
+                dirty_ops.add(k)
+                dirty_edges.update(e for e, _ in adj[k] if e not in parallel)
+
     for _ in range(max_sweeps):
         improved = False
         for i in range(n):
+            if i not in dirty_ops:
+                continue
+            dirty_ops.discard(i)
             mem = mem_total - tab.mem[i][a[i]] + tab.mem[i]
             sc = scores(tab, op_vec(i), mem)
             k = int(np.argmin(sc))
             if sc[k] < sc[a[i]] - 1e-12 * max(1.0, abs(sc[a[i]])):
-                mem_total, a[i], improved = float(mem[k]), k, True
+                old, (mem_total, a[i], improved) = mem_total, (float(mem[k]), k, True)
+                changed((i,), old)
         if pair_moves:
             for e, (u, v, _) in enumerate(tab.edges):
-                if u == v:
+                if e not in dirty_edges:
                     continue
-                if e in parallel:
-                    continue
+                dirty_edges.discard(e)
                 tm = op_vec(u, e)[:, None] + op_vec(v, e)[None, :] + tab.edge[e]
                 mm = (mem_total - tab.mem[u][a[u]] - tab.mem[v][a[v]]
                       + tab.mem[u][:, None] + tab.mem[v][None, :])
                 sc = scores(tab, tm, mm)
                 ku, kv = np.unravel_index(int(np.argmin(sc)), sc.shape)
                 if sc[ku, kv] < sc[a[u], a[v]] - 1e-12 * max(1.0, abs(sc[a[u], a[v]])):
-                    mem_total, a[u], a[v], improved = float(mm[ku, kv]), int(ku), int(kv), True
+                    old, mem_total, a[u], a[v] = mem_total, float(mm[ku, kv]), int(ku), int(kv)
+                    improved = True
+                    changed((u, v), old)
         if not improved:
             break
     return a, score(tab, a)
@@ -322,10 +342,12 @@ _TP_RULES = (("*.attn.[qkv]", "col"), ("*.attn.core", "heads"), ("*.attn.proj", 
              ("classifier.1", "feat"), ("classifier.2", "row"))
 TEMPLATES: dict[str, tuple[tuple[str, str], ...]] = {
     "dp": (("*", "dp"),),
+    "rep": (("*", "rep"),),
     "tp": (*_TP_RULES, ("*", "rep")),
     "mixed": (*(r for r in _TP_RULES if "attn" not in r[0]), ("loss", "rep"), ("*", "dp")),
 }
-"""Rule lists (fnmatch pattern, 1-D signature): dp = data parallel; tp = Megatron tensor
+"""Rule lists (fnmatch pattern, 1-D signature): dp = data parallel; rep = every device
+computes everything (no communication at all); tp = Megatron tensor
 parallelism (column/row pairs, head-parallel attention, vocab-parallel head) with everything
 else replicated; mixed = data parallel with tensor-parallel MLP/classifier."""
 
