@@ -1,4 +1,4 @@
-"""`hetrain` command line: run | launch | profile | plan | bench | report.
+"""`hetrain` command line: run | launch | profile | plan | report.
 
 Each subcommand lives in its own module with a `register(subparsers)` function. User errors
 (HetrainError) print one line and exit with code 2; no traceback.

@@ -1,4 +1,4 @@
-"""Run a function on N local gloo processes (tests, benchmarks, `hetrain plan --execute`).
+"""Run a function on N local gloo processes (the DTensor tests and the AutoDDL benchmarks).
 
 Each worker sets one intra-op thread (N processes share a few cores), joins a gloo group on
 127.0.0.1 at a free port (bound to port 0 and read back, never a fixed port), builds the
