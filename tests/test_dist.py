@@ -87,7 +87,8 @@ def test_ps_strategy_emulates_speeds(mnist1d_cnn_small) -> None:
                         strategy=AsyncSGD(), workload=mnist1d_cnn_small)
     slow, fast = r.summary["workers"]
     assert 1.6 < fast["pushes"] / slow["pushes"] < 2.5, r.summary["workers"]
-    assert r.summary["final_accuracy"] > 0.15
+    losses = [row["test_loss"] for row in r.rows if row.get("test_loss") is not None]
+    assert losses[-1] < losses[0] - 0.02, losses  # it trains (accuracy this early is noise)
 
 
 def test_killed_worker_does_not_lose_async_run(tmp_path, mnist1d_cnn_small) -> None:
