@@ -1,4 +1,4 @@
-"""REAL processes, side by side: hetrain's strategies vs torch DDP and torch PostLocalSGD.
+"""REAL processes, side by side: hetrain's strategies vs torch DDP, PostLocalSGD, DeepSpeed.
 
 4 worker processes on this machine with emulated speeds 1:1:2:4 (the hetero-4 preset, run
 `time_scale` times faster than its model clock), MNIST-1D CNN, SGD lr 0.05 momentum 0.9,
@@ -25,17 +25,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import real_deepspeed
 from real_peers import PeerRun, run_peer
 
-from hetrain.cluster import preset
+from hetrain.cluster import Cluster, preset
 from hetrain.config import RunConfig, config_from_dict
+from hetrain.profile.measure import Overheads, measure_overheads, with_overheads
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
 from hetrain.workloads import flops_per_sample, get_workload
 
 RESULTS = Path(__file__).parent / "results"
 HETRAIN = ("cadp", "ashl", "ddp")
-PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_steps": 8})}
+PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_steps": 8}),
+         "deepspeed_zero0": ("ddp", {}), "deepspeed_zero1": ("ddp", {})}
 """peer -> (hetrain strategy whose simulation predicts it, its options)."""
 
 
@@ -53,8 +56,9 @@ def config(strategy: str, options: dict[str, Any], seed: int, args: argparse.Nam
 
 
 def predicted_s(strategy: str, options: dict[str, Any], seed: int,
-                args: argparse.Namespace) -> float | None:
-    r = run_config(config(strategy, options, seed, args, "sim"), runs_root=None)
+                args: argparse.Namespace, cluster: Cluster | None = None) -> float | None:
+    r = run_config(config(strategy, options, seed, args, "sim"), runs_root=None,
+                   cluster=cluster)
     tta = r.summary["tta_s"]
     return None if tta is None else tta * args.time_scale
 
@@ -68,11 +72,22 @@ def main() -> int:
     ap.add_argument("--systems", default="", help="comma list (default: all available)")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    systems = [s for s in HETRAIN if s in REGISTRY] + list(PEERS)
+    notes = []
+    peers = list(PEERS)
+    why = real_deepspeed.available()
+    if why:
+        peers = [p for p in peers if p not in real_deepspeed.SYSTEMS]
+        notes.append(f"DeepSpeed peers skipped: {why}.")
+    systems = [s for s in HETRAIN if s in REGISTRY] + peers
     if args.systems:
         systems = [s for s in args.systems.split(",") if s in systems]
     wl = get_workload("cnn", "mnist1d")
     fps = flops_per_sample(wl)
+    # This machine's real per-message / per-step costs, measured before the runs.
+    over = measure_overheads(preset("hetero-4"), wl, 32, args.time_scale)
+    print(over, flush=True)
+    calibrated = {c: with_overheads(preset("hetero-4"), over, args.time_scale, c)
+                  for c in ("ps", "allreduce")}
     runs: list[dict[str, Any]] = []
     for seed in seeds:
         for system in systems:
@@ -95,17 +110,22 @@ def main() -> int:
                        "epochs": s["epochs"], "time_s": s["time_s"],
                        "overruns": sum(s["emulation_overruns"]),
                        "hardware_efficiency": s["hardware_efficiency"]}
+            comm = REGISTRY[strategy].comm
             row.update(system=system, seed=seed, wall_s=time.time() - t,
-                       predicted_tta_s=predicted_s(strategy, options, seed, args))
+                       predicted_tta_s=predicted_s(strategy, options, seed, args),
+                       calibrated_predicted_tta_s=predicted_s(strategy, options, seed, args,
+                                                              calibrated[comm]))
             runs.append(row)
             print(json.dumps(row), flush=True)
     summary = summarise(runs, systems, seeds)
     RESULTS.mkdir(exist_ok=True)
     cmd = "python benchmarks/real_hetero4.py " + " ".join(sys.argv[1:])
     (RESULTS / "real_hetero4.json").write_text(json.dumps(
-        {"command": cmd, "args": vars(args), "runs": runs, "summary": summary}, indent=2))
-    (RESULTS / "real_hetero4.md").write_text(markdown(cmd, args, summary, len(seeds)))
-    print(markdown(cmd, args, summary, len(seeds)))
+        {"command": cmd, "args": vars(args), "overheads": vars(over), "notes": notes,
+         "runs": runs, "summary": summary}, indent=2))
+    text = markdown(cmd, args, summary, len(seeds), over, notes)
+    (RESULTS / "real_hetero4.md").write_text(text)
+    print(text)
     return 0
 
 
@@ -119,6 +139,8 @@ def summarise(runs: list[dict[str, Any]], systems: list[str], seeds: list[int]
         ratios = [by[("torch_ddp", s)]["tta_s"] / by[(system, s)]["tta_s"] for s in seeds
                   if by[(system, s)]["tta_s"] and by.get(("torch_ddp", s), {}).get("tta_s")]
         errs = [t / p - 1 for t, p in zip(ttas, preds, strict=True) if t and p]
+        cpreds = [by[(system, s)]["calibrated_predicted_tta_s"] for s in seeds]
+        cerrs = [t / p - 1 for t, p in zip(ttas, cpreds, strict=True) if t and p]
         out.append({
             "system": system,
             "reached": sum(t is not None for t in ttas),
@@ -129,6 +151,10 @@ def summarise(runs: list[dict[str, Any]], systems: list[str], seeds: list[int]
             "predicted_tta_s_median": statistics.median([p for p in preds if p])
             if any(preds) else None,
             "measured_over_predicted_median": (1 + statistics.median(errs)) if errs else None,
+            "calibrated_predicted_tta_s_median": statistics.median([p for p in cpreds if p])
+            if any(cpreds) else None,
+            "measured_over_calibrated_median": (1 + statistics.median(cerrs)) if cerrs
+            else None,
         })
     return out
 
@@ -138,21 +164,30 @@ def _f(v: Any, spec: str = ".2f") -> str:
 
 
 def markdown(cmd: str, args: argparse.Namespace, summary: list[dict[str, Any]],
-             n_seeds: int) -> str:
+             n_seeds: int, over: Overheads, notes: list[str]) -> str:
     lines = [f"`{cmd}`", "",
              f"# Real processes: 4 workers emulating 1:1:2:4 (hetero-4 x {args.time_scale} "
              f"time), MNIST-1D CNN, time to {args.target:.0%} test accuracy", "",
              f"Median of {n_seeds} seed(s); speedup = TTA(torch DDP) / TTA(system) within a "
-             "seed (min-max in brackets). Predicted = the simulator's TTA for the same "
-             "cluster x time_scale (simulated).", "",
+             "seed (min-max in brackets). Predicted = the simulator's TTA x time_scale "
+             "(simulated) on the nominal hetero-4 cluster, and on hetero-4 calibrated with "
+             "this machine's overheads measured before the runs "
+             f"(`hetrain.profile.measure.measure_overheads`: PS message {over.ps_message_s * 1e3:.2f}"
+             f" ms one way, synchronous step {over.sync_round_s * 1e3:.2f} ms beyond its "
+             "slowest budget, real seconds; added to the LAN latency of the path the strategy "
+             "uses, `with_overheads`). DeepSpeed and torch DDP are predicted by hetrain's ddp, "
+             "PostLocalSGD by local_sgd H=8.", *(["", *notes] if notes else []), "",
              "| system | reached | TTA s (median) | speedup vs torch DDP | predicted TTA s "
-             "(simulated) | measured / predicted |", "|---|---|---|---|---|---|"]
+             "nominal | measured / predicted nominal | predicted TTA s calibrated | "
+             "measured / predicted calibrated |", "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         lines.append(
             f"| {r['system']} | {r['reached']}/{n_seeds} | {_f(r['tta_s_median'])} | "
             f"{_f(r['speedup_vs_torch_ddp_median'])}x [{_f(r['speedup_min'])}-"
             f"{_f(r['speedup_max'])}] | {_f(r['predicted_tta_s_median'])} | "
-            f"{_f(r['measured_over_predicted_median'])} |")
+            f"{_f(r['measured_over_predicted_median'])} | "
+            f"{_f(r['calibrated_predicted_tta_s_median'])} | "
+            f"{_f(r['measured_over_calibrated_median'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,12 +10,17 @@ sits in a DDP communication hook (called once the backward has produced the buck
 the end of compute: the model's 55 kB of gradients fit in DDP's one 25 MB bucket), so DDP's
 all-reduce starts only when the slowest device would have finished, as on real hardware.
 
+- DeepSpeed ZeRO stage 0 / 1 (benchmarks/real_deepspeed.py, optional): deepspeed.initialize
+  over gloo on CPU, the same SGD; the pad is a gradient hook that fires once backward has
+  produced every gradient, before DeepSpeed's reduction.
+
 Rank 0 evaluates the model every `eval_every` samples (the global model: after an average for
 PostLocalSGD) and its evaluation pauses are left out of the clock, as in hetrain's engines.
 """
 
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,7 +40,7 @@ from hetrain.workloads import Workload, evaluate, gather
 @dataclass(frozen=True)
 class PeerRun:
     system: str
-    """"torch_ddp" or "torch_postlocalsgd"."""
+    """"torch_ddp", "torch_postlocalsgd", "deepspeed_zero0" or "deepspeed_zero1"."""
     cluster: Cluster
     workload: Workload
     flops_per_sample: float
@@ -67,18 +72,25 @@ def _padded_hook(pad: _Pad, bucket: dist.GradBucket) -> torch.futures.Future[tor
 def _worker(rank: int, run: PeerRun, port: int, out: Any) -> None:
     torch.set_num_threads(1)
     n = run.cluster.n
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=n, timeout=timedelta(seconds=120))
+    if run.system.startswith("deepspeed"):
+        import os
+
+        from real_deepspeed import init_deepspeed
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        init_deepspeed()
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n, timeout=timedelta(seconds=120))
     try:
         _train(rank, run, out)
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank: int, run: PeerRun, out: Any) -> None:
-    n, wl = run.cluster.n, run.workload
-    torch.manual_seed(run.seed)
-    model = DDP(wl.build_model())
+def _build_torch(run: PeerRun) -> tuple[torch.nn.Module, Callable[[Any], None], _Pad]:
+    """torch DDP or PostLocalSGD: (module to evaluate, step(loss), the pad)."""
+    model = DDP(run.workload.build_model())
     if run.system == "torch_ddp":
         pad = _Pad(default_hooks.allreduce_hook, None)
         opt: Any = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum)
@@ -101,11 +113,29 @@ def _train(rank: int, run: PeerRun, out: Any) -> None:
             optim=torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum),
             averager=PeriodicModelAverager(period=run.period, warmup_steps=1))
     model.register_comm_hook(pad, _padded_hook)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        run.workload.loss_fn(model(x), y).backward()
+        opt.step()
+    return model.module, step, pad
+
+
+def _train(rank: int, run: PeerRun, out: Any) -> None:
+    n, wl = run.cluster.n, run.workload
+    torch.manual_seed(run.seed)
+    if run.system.startswith("deepspeed"):
+        from real_deepspeed import build_deepspeed
+        pad = _Pad(None, None)
+        module, step_fn = build_deepspeed(run, pad)
+    else:
+        module, step_fn, pad = _build_torch(run)
     throttle = Throttle(run.cluster.devices[rank], None, run.flops_per_sample, run.time_scale)
     n_train = len(wl.train)  # type: ignore[arg-type]
     per_step = run.batch_size * n
     eval_steps = max(1, round(run.eval_every_epochs * n_train / per_step))
-    if run.system != "torch_ddp":  # evaluate right after an average: the global model
+    if run.system == "torch_postlocalsgd":  # evaluate right after an average: the global model
         eval_steps = max(run.period, eval_steps // run.period * run.period)
     max_steps = int(run.max_epochs * n_train / per_step)
     g = torch.Generator().manual_seed(run.seed)
@@ -124,15 +154,12 @@ def _train(rank: int, run: PeerRun, out: Any) -> None:
         idx = order[pos + rank * run.batch_size: pos + (rank + 1) * run.batch_size]
         pos += per_step
         pad.deadline_s = time.perf_counter() + throttle.compute_budget_s(run.batch_size, 1)
-        x, y = gather(wl.train, idx)
-        opt.zero_grad(set_to_none=True)
-        wl.loss_fn(model(x), y).backward()
-        opt.step()
+        step_fn(gather(wl.train, idx))
         if step % eval_steps == 0 or step == max_steps:
             if rank == 0:
                 now = time.perf_counter() - t0 - paused_s
                 e0 = time.perf_counter()
-                loss, acc = evaluate(model.module, wl.test, wl.loss_fn)
+                loss, acc = evaluate(module, wl.test, wl.loss_fn)
                 paused_s += time.perf_counter() - e0
                 rows.append({"time_s": now, "epoch": step * per_step / n_train,
                              "test_accuracy": acc, "test_loss": loss})

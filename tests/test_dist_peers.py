@@ -1,0 +1,55 @@
+"""The benchmark's peers (benchmarks/real_peers.py, real_deepspeed.py) and the simulator
+calibration (hetrain.profile.measure.with_overheads / measure_overheads).
+
+DeepSpeed is an optional benchmark dependency: its test skips when it is not installed."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetrain.cluster import preset
+from hetrain.profile.measure import Overheads, measure_overheads, with_overheads
+from hetrain.workloads import flops_per_sample, get_workload
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+
+def test_with_overheads_adds_the_measured_cost_to_the_path_each_strategy_uses() -> None:
+    c, ts, nbytes = preset("hetero-4"), 0.5, 55_000
+    o = Overheads(ps_message_s=0.002, sync_round_s=0.012)
+    ps = with_overheads(c, o, ts, "ps")
+    for i in range(c.n):  # one PS message pays ps_message_s real = ps_message_s / ts modelled
+        extra = ps.ps_link(i).transfer_time_s(nbytes) - c.ps_link(i).transfer_time_s(nbytes)
+        assert extra == pytest.approx(0.002 / ts)
+    ar = with_overheads(c, o, ts, "allreduce")
+    extra = ar.ring_allreduce_time_s(nbytes) - c.ring_allreduce_time_s(nbytes)
+    assert extra == pytest.approx(0.012 / ts)  # one synchronous round: sync_round_s real
+    assert [d.flops for d in ar.devices] == [d.flops for d in c.devices]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_measure_overheads_on_real_processes() -> None:
+    pair = replace(preset("hetero-4"), devices=preset("hetero-4").devices[:2])
+    o = measure_overheads(pair, get_workload("cnn", "mnist1d"), 16, 0.2, steps=5, probes=3)
+    assert 0 < o.ps_message_s < 1.0 and 0 <= o.sync_round_s < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("system", ["deepspeed_zero1", "torch_ddp"])
+def test_peer_trains_over_gloo(system: str) -> None:
+    if system.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    from real_peers import PeerRun, run_peer
+
+    c = replace(preset("hetero-4"), devices=preset("hetero-4").devices[:2])
+    wl = get_workload("cnn", "mnist1d")
+    r = run_peer(PeerRun(system, c, wl, flops_per_sample(wl), time_scale=0.1, max_epochs=0.3,
+                         eval_every_epochs=0.1), timeout_s=240)
+    assert r["rows"] and r["final_accuracy"] > 0.2  # chance is 0.1: it learned
+    assert r["rows"][-1]["epoch"] == pytest.approx(0.3, abs=0.05)
