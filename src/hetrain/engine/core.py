@@ -7,15 +7,17 @@ numbers for the same seed.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from hetrain.config import OptimizerConfig
-from hetrain.strategies.base import OuterOptimizer, Update, WorkTask
+from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
 from hetrain.workloads import Workload, gather
 
 
@@ -52,6 +54,26 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterator[nn.Parameter]) -> tor
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+Buffered = tuple[Any, list[Tensor], int]
+"""A push the server holds until the strategy applies it: (update, float buffers, samples)."""
+
+
+def take_applied(buffered: dict[int, deque[Buffered]], decision: Decision,
+                 strategy: str) -> tuple[list[tuple[float, Any, list[Tensor]]], int]:
+    """Pop the pushes a Decision applies, oldest first per worker, as the (weight, update,
+    buffers) items `Server.apply` takes, and the samples they carry. Both engines call this,
+    so a strategy that applies a push it never received fails the same way in each."""
+    items, samples = [], 0
+    for w, weight in decision.apply:
+        if not buffered[w]:
+            raise RuntimeError(f"strategy '{strategy}' applied worker {w}'s push, "
+                               "but none is buffered")
+        update, buffers, n = buffered[w].popleft()
+        items.append((weight, update, buffers))
+        samples += n
+    return items, samples
 
 
 class DataOwner:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from hetrain.engine.checkpoint import ServerState, load_checkpoint, save_checkpoint
-from hetrain.engine.core import DataOwner, Server
+from hetrain.engine.core import Buffered, DataOwner, Server, take_applied
 from hetrain.engine.setup import Prepared
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox
@@ -70,7 +70,7 @@ class Coordinator:
         self.lost: list[int] = []
         self.busy: set[int] = set()
         self.base_version = [0] * n
-        self.buffered: dict[int, deque[tuple[Any, list[torch.Tensor], int]]] = {
+        self.buffered: dict[int, deque[Buffered]] = {
             w: deque() for w in range(n)}
         self.applied_samples = 0
         self.max_samples = int(self.cfg.stop.max_epochs * prep.ctx.train_samples)
@@ -217,14 +217,8 @@ class Coordinator:
                 self._release(w)
 
     def _apply(self, decision: Decision) -> None:
-        items = []
-        for w, weight in decision.apply:
-            if not self.buffered[w]:
-                raise RuntimeError(f"strategy '{self.strategy.name}' applied worker {w}'s push, "
-                                   "but none is buffered")
-            update, buffers, samples = self.buffered[w].popleft()
-            items.append((weight, update, buffers))
-            self.applied_samples += samples
+        items, samples = take_applied(self.buffered, decision, self.strategy.name)
+        self.applied_samples += samples
         if self.allreduce:
             self._collective_apply(dict(decision.apply))
         else:

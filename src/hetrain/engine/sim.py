@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hetrain.compress import Compressed, ErrorFeedback
-from hetrain.engine.core import DataOwner, Replica, Server, TaskResult
+from hetrain.engine.core import Buffered, DataOwner, Replica, Server, TaskResult, take_applied
 from hetrain.engine.setup import Prepared
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -88,7 +88,7 @@ class Simulator:
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.inflight: dict[int, _InFlight] = {}
-        self.buffered: dict[int, deque[tuple[torch.Tensor, list[torch.Tensor], int]]] = {
+        self.buffered: dict[int, deque[Buffered]] = {
             w: deque() for w in range(cluster.n)}
         self.ready_at = [0.0] * cluster.n
         self.nic_free = {"in": 0.0, "out": 0.0}
@@ -192,14 +192,8 @@ class Simulator:
             self._release(w, t, collective_s)
 
     def _apply(self, decision: Decision, t: float) -> None:
-        items = []
-        for w, weight in decision.apply:
-            if not self.buffered[w]:
-                raise RuntimeError(f"strategy '{self.strategy.name}' applied worker {w}'s push, "
-                                   "but none is buffered")
-            update, buffers, samples = self.buffered[w].popleft()
-            items.append((weight, update, buffers))
-            self.applied_samples += samples
+        items, samples = take_applied(self.buffered, decision, self.strategy.name)
+        self.applied_samples += samples
         self.server.apply(items)
         self.now = t
         if self.applied_samples >= self.next_eval:
