@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from real_peers import PeerRun, run_peer
 
 from hetrain.cluster import Cluster, preset
 from hetrain.config import RunConfig, config_from_dict
+from hetrain.engine.setup import prepare
+from hetrain.engine.sim import simulate
 from hetrain.profile.measure import Overheads, measure_overheads, with_overheads
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
@@ -56,10 +59,13 @@ def config(strategy: str, options: dict[str, Any], seed: int, args: argparse.Nam
 
 
 def predicted_s(strategy: str, options: dict[str, Any], seed: int,
-                args: argparse.Namespace, cluster: Cluster | None = None) -> float | None:
-    r = run_config(config(strategy, options, seed, args, "sim"), runs_root=None,
-                   cluster=cluster)
-    tta = r.summary["tta_s"]
+                args: argparse.Namespace, clock: Cluster | None = None) -> float | None:
+    """The simulator's TTA (real seconds). The strategy plans from the nominal cluster, as
+    in the real run; `clock` (the calibrated cluster) only times it."""
+    prep = prepare(config(strategy, options, seed, args, "sim"))
+    if clock is not None:
+        prep = replace(prep, cluster=clock)
+    tta = simulate(prep, None, None).summary["tta_s"]
     return None if tta is None else tta * args.time_scale
 
 
@@ -174,8 +180,10 @@ def markdown(cmd: str, args: argparse.Namespace, summary: list[dict[str, Any]],
              "this machine's overheads measured before the runs "
              f"(`hetrain.profile.measure.measure_overheads`: PS message {over.ps_message_s * 1e3:.2f}"
              f" ms one way, synchronous step {over.sync_round_s * 1e3:.2f} ms beyond its "
-             "slowest budget, real seconds; added to the LAN latency of the path the strategy "
-             "uses, `with_overheads`). DeepSpeed and torch DDP are predicted by hetrain's ddp, "
+             "slowest budget, real seconds; the first becomes the PS's per-message time, "
+             "one message at a time, for PS strategies, the second the ring's LAN latency "
+             "for all-reduce ones, `with_overheads`; strategies still plan from the nominal "
+             "cluster). DeepSpeed and torch DDP are predicted by hetrain's ddp, "
              "PostLocalSGD by local_sgd H=8.", *(["", *notes] if notes else []), "",
              "| system | reached | TTA s (median) | speedup vs torch DDP | predicted TTA s "
              "nominal | measured / predicted nominal | predicted TTA s calibrated | "

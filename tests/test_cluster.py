@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hetrain.cluster import PRESETS, Cluster, Link, homogeneous, load_cluster, preset
@@ -43,6 +45,9 @@ def test_toml_round_trip(tmp_path, name: str) -> None:
     c.save(tmp_path / "c.toml")
     assert Cluster.load(tmp_path / "c.toml") == c
     assert load_cluster(str(tmp_path / "c.toml")) == c
+    measured = replace(c, ps_message_s=0.0016)  # a calibrated cluster keeps its PS cost
+    measured.save(tmp_path / "m.toml")
+    assert Cluster.load(tmp_path / "m.toml") == measured
 
 
 def test_count_expands_devices() -> None:
@@ -61,6 +66,8 @@ def test_count_expands_devices() -> None:
       "devices": [{"name": "d", "flops": 1}]}, "'bandwidth_Bps' must be a number"),
     ({"sites": [{"name": "s", "lan": {"bandwidth_Bps": 1}, "wan": {"bandwidth_Bps": 1}}],
       "devices": [{"name": "d", "flops": 1}, {"name": "d", "flops": 2}]}, "duplicate device names"),
+    ({"sites": [{"name": "s", "lan": {"bandwidth_Bps": 1}, "wan": {"bandwidth_Bps": 1}}],
+      "devices": [{"name": "d", "flops": 1}], "ps_message_s": -1}, "ps_message_s must be >= 0"),
     ({"sites": [{"name": "s", "lan": {"bandwidth_Bps": 1}, "wan": {"bandwidth_Bps": 1}}]},
      "missing required key(s) ['devices']"),
 ])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -77,6 +77,32 @@ def test_virtual_clock_matches_hand_computation_ps(digits_mlp) -> None:
     slow, fast = r.summary["workers"]
     assert fast["idle_s"] == pytest.approx((rounds - 1) * (round_s - worker_round(1)), rel=1e-9)
     assert slow["comm_s"] == pytest.approx(rounds * 2 * (link.latency_s + mbytes / link.bandwidth_Bps))
+
+
+def test_ps_message_time_is_paid_one_message_at_a_time(digits_mlp) -> None:
+    """With ps_message_s = X the PS sends the round's pulls one after the other and takes the
+    pushes in the order they start: the hand computation of the barrier round."""
+    x = 0.004
+    cluster = replace(two_devices(), ps_message_s=x)
+    cfg = _cfg("ddp", stop={"max_epochs": 0.2})
+    r = run_config(cfg, runs_root=None, cluster=cluster, workload=digits_mlp, strategy=SyncPS())
+    fps, mbytes = r.summary["flops_per_sample"], r.summary["model_bytes"]
+    link = cluster.sites[0].lan.transfer_time_s(mbytes)
+
+    def compute(w: int) -> float:
+        return 3 * 0.01 + 8 * (w + 1) * 3 * fps / cluster.devices[w].flops
+
+    def round_s(x: float) -> float:
+        busy, starts = 0.0, []
+        for _w in range(2):  # the pulls: PS first, then the link
+            busy += x
+            starts.append(busy + link)
+        for ready in sorted(s + compute(w) + link for w, s in enumerate(starts)):
+            busy = max(ready, busy) + x  # the pushes: the link first, then the PS
+        return busy
+
+    assert r.summary["time_s"] == pytest.approx(r.summary["updates"] * round_s(x), rel=1e-9)
+    assert round_s(x) - round_s(0.0) > 2 * x  # more than one pull and one push: it queues
 
 
 def test_ps_nic_queues_concurrent_transfers(digits_mlp) -> None:

@@ -107,6 +107,11 @@ class Cluster:
     """Site of the parameter server (the data owner in C-ADP); default: the first site."""
     ps_nic: Link | None = None
     """The PS's own network card; concurrent transfers to/from the PS queue on it (None: no cap)."""
+    ps_message_s: float = 0.0
+    """Time the PS process is busy per message it sends or receives (framing, (de)serialising,
+    copying), one message at a time, in series with the link: what a synchronous round of n
+    workers pays n times over. 0 for the presets; `hetrain.profile.measure_overheads` measures
+    it on a real machine."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -128,6 +133,9 @@ class Cluster:
                 )
         if not self.ps_site:
             object.__setattr__(self, "ps_site", self.sites[0].name)
+        if not (self.ps_message_s >= 0 and math.isfinite(self.ps_message_s)):
+            raise ConfigError(f"cluster '{self.name}': ps_message_s must be >= 0, "
+                              f"got {self.ps_message_s}")
         elif self.ps_site not in site_names:
             raise ConfigError(
                 f"cluster '{self.name}': ps_site '{self.ps_site}' is not one of {site_names}"
@@ -200,6 +208,8 @@ class Cluster:
         out: dict[str, Any] = {"name": self.name, "ps_site": self.ps_site}
         if self.ps_nic is not None:
             out["ps_nic"] = asdict(self.ps_nic)
+        if self.ps_message_s:
+            out["ps_message_s"] = self.ps_message_s
         out["sites"] = [clean(asdict(s)) for s in self.sites]
         out["devices"] = [clean(asdict(d)) for d in self.devices]
         return out
@@ -228,7 +238,7 @@ class Cluster:
 _LINK_KEYS = {"bandwidth_Bps", "latency_s"}
 _DEVICE_KEYS = {"name", "flops", "memory_bytes", "site", "step_overhead_s", "link", "count"}
 _SITE_KEYS = {"name", "lan", "wan"}
-_CLUSTER_KEYS = {"name", "devices", "sites", "ps_site", "ps_nic"}
+_CLUSTER_KEYS = {"name", "devices", "sites", "ps_site", "ps_nic", "ps_message_s"}
 
 
 def check_keys(where: str, data: Mapping[str, Any], allowed: set[str], required: set[str]) -> None:
@@ -281,7 +291,8 @@ def _cluster_from_dict(data: Mapping[str, Any], source: str) -> Cluster:
             ))
     ps_nic = _link(f"{source}: ps_nic", data["ps_nic"]) if "ps_nic" in data else None
     return Cluster(name=str(data.get("name", Path(source).stem)), devices=tuple(devices),
-                   sites=tuple(sites), ps_site=str(data.get("ps_site", "")), ps_nic=ps_nic)
+                   sites=tuple(sites), ps_site=str(data.get("ps_site", "")), ps_nic=ps_nic,
+                   ps_message_s=_number(source, "ps_message_s", data.get("ps_message_s", 0.0)))
 
 
 # ---- presets ----------------------------------------------------------------------------------

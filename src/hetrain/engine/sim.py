@@ -3,7 +3,7 @@
 Every virtual worker keeps its own model copy and computes real gradients on its own
 batches; only time is simulated: compute = steps * overhead + samples * FLOPs/sample / FLOP/s,
 a transfer = latency + bytes / bandwidth on the worker's path to the PS (queued on the PS's
-NIC when the cluster has one), a collective = the cluster's ring all-reduce time.
+NIC when the cluster has one, and on the PS process's per-message time `ps_message_s`), a collective = the cluster's ring all-reduce time.
 
 Because a worker's result depends only on the model it was sent, its task is computed eagerly
 when it is released and its push is scheduled at the virtual time it would finish. Events at
@@ -92,6 +92,7 @@ class Simulator:
             w: deque() for w in range(cluster.n)}
         self.ready_at = [0.0] * cluster.n
         self.nic_free = {"in": 0.0, "out": 0.0}
+        self.ps_busy_until = 0.0
         self.applied_samples = 0
         self.max_samples = int(cfg.stop.max_epochs * prep.ctx.train_samples)
         self.eval_every = max(1, int(cfg.train.eval_every_epochs * prep.ctx.train_samples))
@@ -106,8 +107,17 @@ class Simulator:
         self._seq += 1
 
     def _ps_transfer(self, t: float, w: int, nbytes: int, direction: str) -> float:
-        done = t + self.p.cluster.ps_link(w).transfer_time_s(nbytes)
-        nic = self.p.cluster.ps_nic
+        c = self.p.cluster
+        link_s = c.ps_link(w).transfer_time_s(nbytes)
+        if c.ps_message_s > 0:
+            # The PS handles one message at a time: a pull waits for it before the link, a
+            # push after (in the order the transfers start, FIFO enough for a model).
+            ready = t if direction == "out" else t + link_s
+            self.ps_busy_until = max(ready, self.ps_busy_until) + c.ps_message_s
+            done = self.ps_busy_until + (link_s if direction == "out" else 0.0)
+        else:
+            done = t + link_s
+        nic = c.ps_nic
         if nic is not None:
             nic_done = max(t, self.nic_free[direction]) + nbytes / nic.bandwidth_Bps
             self.nic_free[direction] = nic_done

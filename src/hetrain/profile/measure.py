@@ -16,8 +16,8 @@ measured devices, each with its measured access link, in one site whose own LAN 
 negligible (so `ps_link(i)` is the measured link).
 
 `measure_overheads` / `with_overheads` calibrate the simulator for an emulated run: the real
-per-message and per-synchronous-step costs of this machine, added to the emulated cluster's
-link latencies, give the cluster that a run emulating it actually behaves like.
+per-message and per-synchronous-step costs of this machine, added to the emulated cluster (the
+PS's per-message time, the LAN latency), give the cluster that a run emulating it behaves like.
 """
 
 from __future__ import annotations
@@ -245,26 +245,26 @@ def measure_overheads(cluster: Cluster, workload: Workload, batch_size: int,
 
 
 def with_overheads(cluster: Cluster, o: Overheads, time_scale: float, comm: str) -> Cluster:
-    """The cluster the simulator should predict a `comm` ("ps" | "allreduce") strategy's run
-    of `cluster`, emulated on this machine, with.
+    """The cluster the simulator should time a `comm` ("ps" | "allreduce") strategy's run of
+    `cluster`, emulated on this machine, with (the strategy still plans from `cluster`, as
+    the real run's does).
 
-    The emulation adds the cluster's own times and the machine adds `o` on top, so the
-    machine's cost goes into the LAN latency, in the cluster's clock (real / time_scale):
-    a PS message pays one LAN latency, a ring all-reduce 2 (n - 1) of them, hence
+    The emulation adds the cluster's own times and the machine adds `o` on top, in the
+    cluster's clock (real / time_scale):
 
-        ps:         latency += ps_message_s / ts
-        allreduce:  latency += sync_round_s / (2 (n - 1) ts)
+        ps:         ps_message_s += ps_message_s(o) / ts   (the PS serialises its messages)
+        allreduce:  LAN latency  += sync_round_s / (2 (n - 1) ts)   (a ring has 2 (n - 1) hops)
 
-    One figure cannot serve both: the Cluster has one latency per link, while here a pickled
+    A PS message's cost is the rank-0 process's: one message at a time, so a synchronous
+    round of n workers pays it n times over, which a per-link latency cannot express. An
+    all-reduce's is spread over the ring's hops. One figure cannot serve both: a pickled
     point-to-point message and one hop of gloo's ring under contention cost differently
-    (measured here under load: 1.6-3.2 ms vs 1.3-2.6 ms per hop), so each kind of strategy
-    gets its own path's.
+    (measured here under load: 1.6-3.2 ms vs 1.3-2.6 ms per hop).
     """
-    n = cluster.n
     if comm == "ps":
-        extra = o.ps_message_s / time_scale
-    else:
-        extra = o.sync_round_s / (2 * max(n - 1, 1) * time_scale)
+        return replace(cluster, name=f"{cluster.name}+measured-ps-overhead",
+                       ps_message_s=cluster.ps_message_s + o.ps_message_s / time_scale)
+    extra = o.sync_round_s / (2 * max(cluster.n - 1, 1) * time_scale)
     sites = tuple(replace(s, lan=replace(s.lan, latency_s=s.lan.latency_s + extra))
                   for s in cluster.sites)
-    return replace(cluster, name=f"{cluster.name}+measured-{comm}-overhead", sites=sites)
+    return replace(cluster, name=f"{cluster.name}+measured-allreduce-overhead", sites=sites)
