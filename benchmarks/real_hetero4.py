@@ -1,11 +1,12 @@
-"""REAL processes, side by side: hetrain's strategies vs torch DDP, PostLocalSGD, DeepSpeed.
+"""REAL processes, side by side: hetrain's strategies vs torch DDP, PostLocalSGD, DeepSpeed, torchft.
 
 4 worker processes on this machine with emulated speeds 1:1:2:4 (the hetero-4 preset, run
 `time_scale` times faster than its model clock), MNIST-1D CNN, SGD lr 0.05 momentum 0.9,
 batch 32, to a fixed test accuracy. Every system pads each step to the same per-device budget
 (hetrain.engine.emulate). For each run the simulator's prediction for the same cluster
 (virtual TTA x time_scale) is written next to the measured TTA: torch DDP is predicted by
-hetrain's ddp strategy, PostLocalSGD by local_sgd with the same period.
+hetrain's ddp strategy, PostLocalSGD and torchft LocalSGD by local_sgd with the same period,
+torchft DiLoCo by local_sgd with DiLoCo's outer Nesterov SGD.
 
     .venv/bin/python benchmarks/real_hetero4.py [--seeds 0,1,2] [--time-scale 0.4]
 
@@ -27,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import real_deepspeed
+import real_torchft
 from real_peers import PeerRun, run_peer
 
 from hetrain.cluster import Cluster, preset
@@ -41,7 +43,10 @@ from hetrain.workloads import flops_per_sample, get_workload
 RESULTS = Path(__file__).parent / "results"
 HETRAIN = ("cadp", "ashl", "ddp")
 PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_steps": 8}),
-         "deepspeed_zero0": ("ddp", {}), "deepspeed_zero1": ("ddp", {})}
+         "deepspeed_zero0": ("ddp", {}), "deepspeed_zero1": ("ddp", {}),
+         "torchft_localsgd": ("local_sgd", {"local_steps": 8}),
+         "torchft_diloco": ("local_sgd", {"local_steps": 8, "outer_lr": real_torchft.OUTER_LR,
+                                          "outer_momentum": real_torchft.OUTER_MOMENTUM})}
 """peer -> (hetrain strategy whose simulation predicts it, its options)."""
 
 
@@ -84,6 +89,10 @@ def main() -> int:
     if why:
         peers = [p for p in peers if p not in real_deepspeed.SYSTEMS]
         notes.append(f"DeepSpeed peers skipped: {why}.")
+    why = real_torchft.available()
+    if why:
+        peers = [p for p in peers if p not in real_torchft.SYSTEMS]
+        notes.append(f"torchft peers skipped: {why}.")
     systems = [s for s in HETRAIN if s in REGISTRY] + peers
     if args.systems:
         systems = [s for s in args.systems.split(",") if s in systems]
@@ -184,7 +193,8 @@ def markdown(cmd: str, args: argparse.Namespace, summary: list[dict[str, Any]],
              "one message at a time, for PS strategies, the second the ring's LAN latency "
              "for all-reduce ones, `with_overheads`; strategies still plan from the nominal "
              "cluster). DeepSpeed and torch DDP are predicted by hetrain's ddp, "
-             "PostLocalSGD by local_sgd H=8.", *(["", *notes] if notes else []), "",
+             "PostLocalSGD and torchft LocalSGD by local_sgd H=8, torchft DiLoCo by local_sgd "
+             "H=8 with outer lr 0.7, Nesterov momentum 0.9.", *(["", *notes] if notes else []), "",
              "| system | reached | TTA s (median) | speedup vs torch DDP | predicted TTA s "
              "nominal | measured / predicted nominal | predicted TTA s calibrated | "
              "measured / predicted calibrated |", "|---|---|---|---|---|---|---|---|"]

@@ -13,18 +13,24 @@ all-reduce starts only when the slowest device would have finished, as on real h
 - DeepSpeed ZeRO stage 0 / 1 (benchmarks/real_deepspeed.py, optional): deepspeed.initialize
   over gloo on CPU, the same SGD; the pad is a gradient hook that fires once backward has
   produced every gradient, before DeepSpeed's reduction.
+- torchft LocalSGD / DiLoCo (benchmarks/real_torchft.py, optional): a torchft Manager per
+  worker, one LighthouseServer started here on 127.0.0.1 for the run; the pad sleeps after
+  backward, before the optimizer step whose post-hook syncs every H steps.
 
 Rank 0 evaluates the model every `eval_every` samples (the global model: after an average for
-PostLocalSGD) and its evaluation pauses are left out of the clock, as in hetrain's engines.
+PostLocalSGD and torchft) and its evaluation pauses are left out of the clock, as in hetrain's
+engines.
 """
 
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import real_torchft
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,7 +46,8 @@ from hetrain.workloads import Workload, evaluate, gather
 @dataclass(frozen=True)
 class PeerRun:
     system: str
-    """"torch_ddp", "torch_postlocalsgd", "deepspeed_zero0" or "deepspeed_zero1"."""
+    """"torch_ddp", "torch_postlocalsgd", "deepspeed_zero0", "deepspeed_zero1",
+    "torchft_localsgd" or "torchft_diloco"."""
     cluster: Cluster
     workload: Workload
     flops_per_sample: float
@@ -48,7 +55,7 @@ class PeerRun:
     lr: float = 0.05
     momentum: float = 0.9
     period: int = 8
-    """PostLocalSGD averaging period (H local steps)."""
+    """PostLocalSGD / torchft averaging period (H local steps)."""
     time_scale: float = 1.0
     seed: int = 0
     max_epochs: float = 6.0
@@ -69,7 +76,7 @@ def _padded_hook(pad: _Pad, bucket: dist.GradBucket) -> torch.futures.Future[tor
     return pad.inner(pad.inner_state, bucket)
 
 
-def _worker(rank: int, run: PeerRun, port: int, out: Any) -> None:
+def _worker(rank: int, run: PeerRun, port: int, out: Any, lighthouse_addr: str) -> None:
     torch.set_num_threads(1)
     n = run.cluster.n
     if run.system.startswith("deepspeed"):
@@ -83,7 +90,8 @@ def _worker(rank: int, run: PeerRun, port: int, out: Any) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=n, timeout=timedelta(seconds=120))
     try:
-        _train(rank, run, out)
+        with ExitStack() as stack:
+            _train(rank, run, out, lighthouse_addr, stack)
     finally:
         dist.destroy_process_group()
 
@@ -122,20 +130,26 @@ def _build_torch(run: PeerRun) -> tuple[torch.nn.Module, Callable[[Any], None], 
     return model.module, step, pad
 
 
-def _train(rank: int, run: PeerRun, out: Any) -> None:
+def _train(rank: int, run: PeerRun, out: Any, lighthouse_addr: str, stack: ExitStack) -> None:
     n, wl = run.cluster.n, run.workload
     torch.manual_seed(run.seed)
     if run.system.startswith("deepspeed"):
         from real_deepspeed import build_deepspeed
         pad = _Pad(None, None)
         module, step_fn = build_deepspeed(run, pad)
+    elif run.system in real_torchft.SYSTEMS:
+        pad = _Pad(None, None)
+        peer = real_torchft.TorchftPeer(run, rank, lighthouse_addr, pad)
+        stack.callback(peer.close)
+        module, step_fn = peer.model, peer.step
     else:
         module, step_fn, pad = _build_torch(run)
     throttle = Throttle(run.cluster.devices[rank], None, run.flops_per_sample, run.time_scale)
     n_train = len(wl.train)  # type: ignore[arg-type]
     per_step = run.batch_size * n
     eval_steps = max(1, round(run.eval_every_epochs * n_train / per_step))
-    if run.system == "torch_postlocalsgd":  # evaluate right after an average: the global model
+    if run.system == "torch_postlocalsgd" or run.system in real_torchft.SYSTEMS:
+        # evaluate right after an average: the global model
         eval_steps = max(run.period, eval_steps // run.period * run.period)
     max_steps = int(run.max_epochs * n_train / per_step)
     g = torch.Generator().manual_seed(run.seed)
@@ -178,11 +192,19 @@ def _train(rank: int, run: PeerRun, out: Any) -> None:
 
 
 def run_peer(run: PeerRun, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Spawn the peer's n processes, wait for rank 0's result."""
+    """Spawn the peer's n processes, wait for rank 0's result (torchft: inside a lighthouse
+    that lives as long as the run)."""
+    torchft = run.system in real_torchft.SYSTEMS
+    with real_torchft.lighthouse(run.cluster.n) if torchft else nullcontext("") as addr:
+        return _spawn(run, timeout_s, addr)
+
+
+def _spawn(run: PeerRun, timeout_s: float, lighthouse_addr: str) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, run, port, out), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, run, port, out, lighthouse_addr),
+                         daemon=True)
              for r in range(run.cluster.n)]
     for p in procs:
         p.start()
@@ -192,6 +214,10 @@ def run_peer(run: PeerRun, timeout_s: float = 600.0) -> dict[str, Any]:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            p.join(10.0)
+        if p.is_alive():
+            p.kill()
+            p.join(10.0)
     if out.empty():
         raise RuntimeError(f"{run.system}: no result (exit codes {[p.exitcode for p in procs]})")
     return out.get()

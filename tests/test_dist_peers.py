@@ -1,7 +1,8 @@
-"""The benchmark's peers (benchmarks/real_peers.py, real_deepspeed.py) and the simulator
+"""The benchmark's peers (benchmarks/real_peers.py, real_deepspeed.py, real_torchft.py) and the simulator
 calibration (hetrain.profile.measure.with_overheads / measure_overheads).
 
-DeepSpeed is an optional benchmark dependency: its test skips when it is not installed."""
+DeepSpeed and torchft are optional benchmark dependencies: their tests skip when they are not
+installed."""
 
 from __future__ import annotations
 
@@ -40,10 +41,11 @@ def test_measure_overheads_on_real_processes() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("system", ["deepspeed_zero1", "torch_ddp"])
+@pytest.mark.parametrize("system", ["deepspeed_zero1", "torch_ddp", "torchft_localsgd",
+                                    "torchft_diloco"])
 def test_peer_trains_over_gloo(system: str) -> None:
-    if system.startswith("deepspeed"):
-        pytest.importorskip("deepspeed")
+    if system.startswith(("deepspeed", "torchft")):
+        pytest.importorskip(system.split("_")[0])
     from real_peers import PeerRun, run_peer
 
     c = replace(preset("hetero-4"), devices=preset("hetero-4").devices[:2])
