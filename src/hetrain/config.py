@@ -163,6 +163,9 @@ class DistConfig:
     """Rendezvous host when hetrain spawns the processes itself."""
     port: int = 0
     """Rendezvous port when hetrain spawns the processes itself (0: a free one)."""
+    ps_shards: int = 1
+    """PS strategies: parameter-server ranks, each holding a block of the parameter tensors
+    (world size = devices + ps_shards); rank 0 is also the coordinator and holds block 0."""
 
     def __post_init__(self) -> None:
         _check_choice("dist.backend", self.backend, ("gloo", "nccl"))
@@ -174,6 +177,9 @@ class DistConfig:
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ConfigError(f"dist.checkpoint_every must be an integer >= 0, got "
                               f"{self.checkpoint_every!r}")
+        if not isinstance(self.ps_shards, int) or isinstance(self.ps_shards, bool) \
+                or self.ps_shards < 1:
+            raise ConfigError(f"dist.ps_shards must be an integer >= 1, got {self.ps_shards!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"dist.port must be an integer in [0, 65535], got {self.port!r}")
 

@@ -1,7 +1,8 @@
 """`hetrain launch CONFIG.toml`: train a config on the real engine (torch.distributed).
 
 One machine: hetrain spawns the server (rank 0) and one worker process per device on
-127.0.0.1 (`--nproc` = devices + 1; a free port unless `--port`). Several machines: give
+127.0.0.1 (`--nproc` = devices + dist.ps_shards, i.e. devices + 1 by default; a free port
+unless `--port`). Several machines: give
 `--nnodes/--node-rank/--rdzv-endpoint` and it runs torchrun with c10d rendezvous on this node
 (the same command on every node, with its own --node-rank and --nproc-per-node).
 """
@@ -29,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "server / coordinator, ranks 1..n the workers (one per cluster device).")
     p.add_argument("config", help="run config TOML")
     p.add_argument("--nproc", type=int, default=0,
-                   help="processes on this machine: devices + 1 (default: from the cluster)")
+                   help="processes on this machine: devices + dist.ps_shards (default: "
+                   "from the cluster)")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--resume", action="store_true",
                    help="continue from runs/<name>/checkpoint.pt")
@@ -78,12 +80,13 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
         dist_cfg = dataclasses.replace(dist_cfg, resume=True)
     cfg = dataclasses.replace(cfg, engine="dist", dist=dist_cfg)
     if args.nproc:
-        n = load_cluster(cfg.cluster).n
-        if args.nproc != n + 1:
+        n, shards = load_cluster(cfg.cluster).n, cfg.dist.ps_shards
+        if args.nproc != n + shards:
             raise ConfigError(f"--nproc {args.nproc}: the cluster '{cfg.cluster}' has {n} "
-                              f"devices, so the run needs {n + 1} processes (one server + one "
-                              f"per device); use --nproc {n + 1} or a cluster of "
-                              f"{args.nproc - 1} devices")
+                              f"devices and dist.ps_shards = {shards}, so the run needs "
+                              f"{n + shards} processes (one per device + one per PS shard); "
+                              f"use --nproc {n + shards} or a cluster of "
+                              f"{args.nproc - shards} devices")
     return cfg
 
 

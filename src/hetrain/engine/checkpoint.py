@@ -45,6 +45,8 @@ class ServerState:
     tta: tuple[float | None, int | None]
     lost: list[int]
     config: dict[str, Any]
+    shard_optimizers: tuple[dict[str, Any], ...] = ()
+    """dist.ps_shards > 1: the optimizer states of shards 1..S-1 (`optimizer` is block 0's)."""
 
 
 def checkpoint_path(run_dir: str | Path) -> Path:
@@ -79,3 +81,11 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str) -> ServerSta
         raise ConfigError(f"checkpoint '{path}' is of strategy '{got}', but the config says "
                           f"'{strategy_name}'; resume with the same config")
     return state
+
+
+def check_ps_shards(state: ServerState, shards: int) -> None:
+    """A checkpoint holds one optimizer state per PS shard: resume with as many shards."""
+    had = len(state.shard_optimizers) + 1
+    if had != shards:
+        raise ConfigError(f"the checkpoint was written with dist.ps_shards = {had}, the config "
+                          f"says {shards}; resume with dist.ps_shards = {had}")

@@ -30,9 +30,9 @@ def set_flat_params(model: nn.Module, flat: Tensor) -> None:
         torch.nn.utils.vector_to_parameters(flat, model.parameters())
 
 
-def set_flat_grads(model: nn.Module, flat: Tensor) -> None:
+def set_flat_grads(params: list[nn.Parameter], flat: Tensor) -> None:
     offset = 0
-    for p in model.parameters():
+    for p in params:
         n = p.numel()
         p.grad = flat[offset:offset + n].view_as(p).clone()
         offset += n
@@ -170,17 +170,21 @@ class Server:
     """
 
     def __init__(self, model: nn.Module, update: Update, opt_cfg: OptimizerConfig,
-                 outer: OuterOptimizer) -> None:
+                 outer: OuterOptimizer, owned: list[nn.Parameter] | None = None) -> None:
         self.model = model
+        self.owned = list(model.parameters()) if owned is None else owned
+        """The parameters this server updates (a block of them on a sharded PS; the optimizers
+        are element-wise, so a block steps exactly as it would inside the whole model)."""
         self.version = 0
         if update == "gradient":
-            self.optimizer = build_optimizer(opt_cfg, model.parameters())
+            self.optimizer = build_optimizer(opt_cfg, iter(self.owned))
         else:
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=outer.lr,
+            self.optimizer = torch.optim.SGD(self.owned, lr=outer.lr,
                                              momentum=outer.momentum, nesterov=outer.nesterov)
 
     def params(self) -> Tensor:
-        return flat_params(self.model)
+        """The owned parameters, flat."""
+        return torch.nn.utils.parameters_to_vector(self.owned).detach().clone()
 
     def buffers(self) -> list[Tensor]:
         return [b.detach().clone() for b in float_buffers(self.model)]
@@ -190,7 +194,7 @@ class Server:
         if not weighted:
             return
         agg = sum(w * u for w, u, _ in weighted)
-        set_flat_grads(self.model, agg)
+        set_flat_grads(self.owned, agg)
         self.optimizer.step()
         total = sum(w for w, _, _ in weighted)
         with torch.no_grad():

@@ -5,19 +5,24 @@ Rank 0 is the parameter server, data owner and coordinator (`dist_server.Coordin
 strategies use point-to-point messages (receive from whichever worker pushes first);
 all-reduce strategies (ddp, local_sgd) all-reduce among a process group of the worker ranks.
 Switch a config from the simulator to real processes with `engine = "dist"`; the [dist]
-table (backend, emulate, time_scale, worker_timeout_s, checkpoint_every, resume, port) tunes it.
+table (backend, emulate, time_scale, worker_timeout_s, checkpoint_every, resume, port,
+ps_shards) tunes it. `ps_shards = S > 1` (PS strategies only) splits the parameters into S
+blocks served by rank 0 and ranks n+1..n+S-1 (`dist_shard.Shard`), so no single server
+carries every worker's full pulls and pushes.
 
-How to start it (world size = number of devices + 1):
+How to start it (world size = number of devices + dist.ps_shards, i.e. devices + 1 by default):
 
     # one machine, hetrain spawns the processes on 127.0.0.1 (a free port):
     hetrain run --engine dist cfg.toml
     hetrain launch --nproc 5 cfg.toml            # same, explicit (cluster of 4 devices)
+    hetrain launch --nproc 6 --set dist.ps_shards=2 cfg.toml   # 4 workers, 2 PS ranks
 
     # one machine under torchrun (standalone rendezvous):
     torchrun --standalone --nproc-per-node 5 --local-ranks-filter 0 \\
         -m hetrain run --engine dist cfg.toml
 
-    # several machines (c10d rendezvous; the node with rank 0 hosts the PS):
+    # several machines (c10d rendezvous; the node with rank 0 hosts the PS, and the last
+    # ranks are the PS shards when ps_shards > 1):
     torchrun --nnodes 2 --nproc-per-node 3 --node-rank 0 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29400 --rdzv-id job1 -m hetrain run --engine dist cfg.toml
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d \\
@@ -47,11 +52,12 @@ import torch.multiprocessing as mp
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
-from hetrain.engine.checkpoint import load_checkpoint
+from hetrain.engine.checkpoint import check_ps_shards, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
+from hetrain.engine.dist_shard import Shard
 from hetrain.engine.dist_worker import FaultPlan, Worker, fail_at
 from hetrain.engine.emulate import calibrated_cluster
-from hetrain.engine.setup import prepare
+from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import check_port_free, free_port
 from hetrain.errors import ConfigError
@@ -116,10 +122,26 @@ def _effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workloa
     return cluster, workload
 
 
-def _worker_group(world_size: int) -> dist.ProcessGroup | None:
-    """Every rank must create the worker group (a collective over the default group)."""
-    return dist.new_group(ranks=list(range(1, world_size)), backend="gloo") \
-        if world_size > 2 else dist.new_group(ranks=[1], backend="gloo")
+def _worker_group(world_size: int, shards: int) -> dist.ProcessGroup | None:
+    """Every rank must create the worker group of ranks 1..n (a collective over the default
+    group); the PS shards n+1.. are not in it."""
+    return dist.new_group(ranks=list(range(1, max(2, world_size - shards + 1))), backend="gloo")
+
+
+def check_ps_shards_fit(prep: Prepared) -> None:
+    """dist.ps_shards needs a PS strategy and at least one parameter tensor per shard."""
+    shards = prep.cfg.dist.ps_shards
+    if shards == 1:
+        return
+    if prep.strategy.comm != "ps":
+        raise ConfigError(f"dist.ps_shards = {shards}: strategy '{prep.strategy.name}' "
+                          f"all-reduces among the workers and has no parameter server; set "
+                          f"dist.ps_shards = 1 or pick a PS strategy")
+    tensors = len(list(prep.workload.build_model().parameters()))
+    if shards > tensors:
+        raise ConfigError(f"dist.ps_shards = {shards} but the model has only {tensors} "
+                          f"parameter tensors (a shard holds whole tensors); use at most "
+                          f"{tensors}")
 
 
 def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
@@ -133,25 +155,34 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
         if prep is None:
             cluster, workload = _effective_inputs(cfg, cluster, workload)
             prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
-        if rv.world_size != prep.cluster.n + 1:
+        check_ps_shards_fit(prep)
+        world = prep.cluster.n + cfg.dist.ps_shards
+        if rv.world_size != world:
             raise ConfigError(
-                f"{rv.world_size} processes for a cluster of {prep.cluster.n} devices: the "
-                f"dist engine needs one rank per device plus the server, i.e. "
-                f"{prep.cluster.n + 1} (torchrun --nproc-per-node {prep.cluster.n + 1})")
+                f"{rv.world_size} processes for a cluster of {prep.cluster.n} devices and "
+                f"dist.ps_shards = {cfg.dist.ps_shards}: the dist engine needs one rank per "
+                f"device plus one per PS shard, i.e. {world} (torchrun --nproc-per-node "
+                f"{world})")
         _init(rv, cfg)
         try:
-            _worker_group(rv.world_size)
+            _worker_group(rv.world_size, cfg.dist.ps_shards)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
             return Coordinator(prep, run_dir, progress, emulation).run()
         finally:
             dist.destroy_process_group()
-    workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
-                                        model_options=cfg.workload.model_options,
-                                        dataset_options=cfg.workload.dataset_options)
+    n = rv.world_size - cfg.dist.ps_shards
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
+    if rv.rank <= n:  # a PS shard needs no data
+        workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
+                                            model_options=cfg.workload.model_options,
+                                            dataset_options=cfg.workload.dataset_options)
     _init(rv, cfg)
     try:
-        group = _worker_group(rv.world_size)
+        group = _worker_group(rv.world_size, cfg.dist.ps_shards)
+        if rv.rank > n:
+            Shard(n, cfg, compressor).run()
+            return None
+        assert workload is not None
         fault = faults.faults.get(rv.rank) if faults is not None else None
         Worker(rv.rank, cfg, workload, compressor, group, fault).run()
     finally:
@@ -161,7 +192,8 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
 
 def _worker_main(rv: Rendezvous, cfg: RunConfig, conn: Connection,
                  faults: FaultPlan | None) -> None:
-    """Entry of a spawned worker process: imports done, wait for the workload rank 0 built."""
+    """Entry of a spawned worker (or shard) process: imports done, wait for the workload
+    rank 0 built."""
     torch.set_num_threads(cfg.train.threads)
     workload = conn.recv()
     conn.close()
@@ -177,7 +209,8 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     """Run rank 0 in this process and spawn the workers on this machine."""
     cfg_d = cfg.dist
     if cfg_d.resume:
-        load_checkpoint(run_dir, cfg.strategy.name if strategy is None else strategy.name)
+        check_ps_shards(load_checkpoint(run_dir, cfg.strategy.name if strategy is None
+                                        else strategy.name), cfg_d.ps_shards)
     if cfg_d.port:
         check_port_free(cfg_d.master_addr, cfg_d.port)
     port = cfg_d.port or free_port(cfg_d.master_addr)
@@ -198,12 +231,14 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     # calibrating (emulate = "relative" measures a solo step time: nothing else may run).
     early = cfg_d.emulate != "relative"
     if early:
-        start((cluster.n if cluster is not None else load_cluster(cfg.cluster).n) + 1)
+        start((cluster.n if cluster is not None else load_cluster(cfg.cluster).n)
+              + cfg_d.ps_shards)
     result = None
     try:
         cluster, workload = _effective_inputs(cfg, cluster, workload)
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
-        world = prep.cluster.n + 1
+        check_ps_shards_fit(prep)
+        world = prep.cluster.n + cfg_d.ps_shards
         if not early:
             start(world)
         for conn in pipes:
@@ -245,7 +280,8 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
                           progress=progress if rv.rank == 0 else None, cluster=cluster,
                           workload=workload, strategy=strategy, faults=faults)
         if result is None:
-            return RunResult(cfg.name, [], {"name": cfg.name, "engine": "dist", "role": "worker",
+            role = "ps_shard" if rv.rank > rv.world_size - cfg.dist.ps_shards else "worker"
+            return RunResult(cfg.name, [], {"name": cfg.name, "engine": "dist", "role": role,
                                             "rank": rv.rank, "strategy": cfg.strategy.name,
                                             "final_accuracy": 0.0}, None)
         return result

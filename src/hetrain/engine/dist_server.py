@@ -11,6 +11,11 @@ their weighted updates among themselves (a process group of ranks 1..n); rank 0 
 the strategy on the pushes' metadata (a few hundred bytes), draws the samples, tells the
 workers the weights, and pulls the model from one worker when it evaluates or checkpoints.
 
+With `dist.ps_shards = S > 1` (PS strategies) rank 0 holds only block 0 of the parameters
+and ranks n+1..n+S-1 the others (`dist_shard`): a task carries block 0 and the version the
+worker must pull from the shards, each applied Decision is forwarded to the shards as an
+ordered "apply" command, and evaluations / checkpoints fetch the shards' blocks first.
+
 A worker whose push does not come within `dist.worker_timeout_s`, or whose connection breaks,
 is dropped with a log line and `strategy.on_worker_lost(w)` is called; if the strategy then
 waits for nobody (a barrier missing the lost worker), the run checkpoints and stops with
@@ -31,8 +36,14 @@ from typing import Any
 
 import torch
 
-from hetrain.engine.checkpoint import ServerState, load_checkpoint, save_checkpoint
+from hetrain.engine.checkpoint import (
+    ServerState,
+    check_ps_shards,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hetrain.engine.core import Buffered, DataOwner, Server, take_applied
+from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox
@@ -59,12 +70,20 @@ class Coordinator:
         self.emulation = emulation
         n = prep.cluster.n
         torch.manual_seed(self.cfg.train.seed)
-        self.server = Server(prep.workload.build_model(), self.strategy.update,
-                             self.cfg.optimizer, self.strategy.outer())
+        model = prep.workload.build_model()
+        params = list(model.parameters())
+        self.block_params = [params[a:b] for a, b in partition(
+            [p.numel() for p in params], self.cfg.dist.ps_shards)]
+        """The parameter tensors of each PS shard; block 0 is this rank's own."""
+        self.shard_ranks = [n + s for s in range(1, len(self.block_params))]
+        self.shard_optimizers: tuple[dict[str, Any], ...] = ()
+        """A resumed run's optimizer states of shards 1..S-1 (sent with their setup)."""
+        self.server = Server(model, self.strategy.update, self.cfg.optimizer,
+                             self.strategy.outer(), owned=self.block_params[0])
         self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
         self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
                               run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
-        self.inbox = Inbox([w + 1 for w in range(n)])
+        self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks)
         self.outbox = Outbox()
         self.live = set(range(n))
         self.lost: list[int] = []
@@ -96,12 +115,14 @@ class Coordinator:
     # ---- setup / resume -------------------------------------------------------------------
     def _restore(self) -> None:
         st = load_checkpoint(self.run_dir, self.strategy.name)
+        check_ps_shards(st, len(self.block_params))
         self.server.model.load_state_dict(st.model)
         self.server.optimizer.load_state_dict(st.optimizer)
         self.server.version = st.version
         self.strategy, self.owner = st.strategy, st.owner
         self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
         self.offset_s = st.elapsed_s
+        self.shard_optimizers = st.shard_optimizers
         self.log.workers = st.workers
         self.log.tta_s, self.log.tta_samples = st.tta
         for row in st.rows:  # re-write the metrics file the run had so far
@@ -129,6 +150,7 @@ class Coordinator:
             if not waiting:
                 return None
             self._pull_state(waiting[0])
+        shard_optimizers = self._gather_shards()
         strategy, owner, applied = pickle.loads(self._snap)
         st = ServerState(
             model={k: v.detach().clone() for k, v in self.server.model.state_dict().items()},
@@ -137,11 +159,19 @@ class Coordinator:
             next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
             workers=[dataclasses.replace(w) for w in self.log.workers],
             tta=(self.log.tta_s, self.log.tta_samples), lost=list(self.lost),
-            config=self.cfg.to_dict())
+            config=self.cfg.to_dict(), shard_optimizers=tuple(shard_optimizers))
         self.updates_since_ckpt = 0
         return save_checkpoint(self.run_dir, st)
 
     def _send_setup(self) -> None:
+        for s, rank in enumerate(self.shard_ranks, 1):
+            self.outbox.send({"kind": "setup", "update": self.strategy.update,
+                              "outer": self.strategy.outer(), "version": self.server.version,
+                              "params": [p.detach().clone() for p in self.block_params[s]],
+                              "optimizer": (self.shard_optimizers[s - 1]
+                                            if self.shard_optimizers else None)}, rank)
+        shards = {"ranks": self.shard_ranks,
+                  "sizes": [sum(p.numel() for p in b) for b in self.block_params]}
         state = None
         if self.allreduce:
             state = {"model": self.server.model.state_dict(),
@@ -152,7 +182,7 @@ class Coordinator:
                       "flops_per_sample": self.p.ctx.flops_per_sample,
                       "update": self.strategy.update, "comm": self.strategy.comm,
                       "outer": self.strategy.outer(), "emulation": self.emulation,
-                      "state": state}, w + 1)
+                      "state": state, "shards": shards}, w + 1)
 
     def _await_ready(self) -> None:
         """Start the clock only when every worker has built its replica (a send to a worker
@@ -161,6 +191,7 @@ class Coordinator:
             self.inbox.expect(w + 1, self.cfg.dist.init_timeout_s)
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
+            self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
 
@@ -173,7 +204,7 @@ class Coordinator:
             msg["apply_weight"] = self.pending_apply.pop(w)
         if not self.allreduce:
             msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
-            self.base_version[w] = self.server.version
+            msg["version"] = self.base_version[w] = self.server.version
         nbytes = self.outbox.send(msg, w + 1)
         self.log.workers[w].bytes_received += nbytes if not self.allreduce else 0
         self.busy.add(w)
@@ -187,7 +218,9 @@ class Coordinator:
         if self.allreduce:
             self.buffered[w].append((None, [], msg["samples"]))
         else:
-            self.log.workers[w].bytes_sent += nbytes
+            sent, received = msg.get("shard_bytes", (0, 0))  # its messages with the shards
+            self.log.workers[w].bytes_sent += nbytes + sent
+            self.log.workers[w].bytes_received += received
             update = self.p.compressor.extract(msg["payload"])
             self.buffered[w].append((update, msg["buffers"], msg["samples"]))
         self.recent_losses.append(msg["loss"])
@@ -223,6 +256,7 @@ class Coordinator:
             self._collective_apply(dict(decision.apply))
         else:
             self.server.apply(items)
+            self._to_shards({"kind": "apply", "items": list(decision.apply)})
         self.updates_since_ckpt += 1
         self._snapshot()
         if self.applied_samples >= self.next_eval:
@@ -260,6 +294,28 @@ class Coordinator:
         self.server.model.load_state_dict(msg["model"])
         self.server.optimizer.load_state_dict(msg["optimizer"])
 
+    def _to_shards(self, cmd: dict[str, Any]) -> None:
+        for rank in self.shard_ranks:
+            self.outbox.send(cmd, rank)
+
+    def _gather_shards(self) -> list[dict[str, Any]]:
+        """Copy every shard's block into the model (as of the latest update: a shard runs
+        commands in order); returns the shards' optimizer states."""
+        self._to_shards({"kind": "state"})
+        optimizers = []
+        for s, rank in enumerate(self.shard_ranks, 1):
+            kind, _, msg, _ = self.inbox.request(rank, self.cfg.dist.worker_timeout_s)
+            if kind == "lost":
+                raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {msg}")
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(msg["params"], self.block_params[s])
+            optimizers.append(msg["optimizer"])
+        return optimizers
+
+    def _check_source(self, src: int, kind: str, obj: Any) -> None:
+        if src in self.shard_ranks:  # a shard only ever answers a request, or fails
+            raise WorkerLostError(f"parameter-server shard rank {src} failed: {kind} {obj}")
+
     def _should_stop(self) -> bool:
         stop = self.cfg.stop
         return (self.applied_samples >= self.max_samples
@@ -271,6 +327,8 @@ class Coordinator:
         start = time.perf_counter()
         if self.allreduce and self.server.version > 0:
             self._pull_state()
+        elif self.server.version > 0:
+            self._gather_shards()
         wl = self.p.workload
         loss, acc = evaluate(self.server.model, wl.test, wl.loss_fn)
         train_loss = (sum(self.recent_losses) / len(self.recent_losses)
@@ -296,6 +354,7 @@ class Coordinator:
         self.busy.discard(w)
         self.lost.append(w)
         self.buffered[w].clear()
+        self._to_shards({"kind": "drop", "worker": w})
         name = self.p.cluster.devices[w].name
         log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
                     "remain", w, w + 1, name, reason, len(self.live))
@@ -325,6 +384,7 @@ class Coordinator:
                          f"(lost workers {self.lost})")
                 break
             kind, src, obj, nbytes = self.inbox.next()
+            self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
             else:
@@ -346,6 +406,7 @@ class Coordinator:
         """Collect the in-flight pushes; their samples are not applied (the run has ended)."""
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
+            self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost_quiet(src - 1)
             else:
@@ -361,12 +422,18 @@ class Coordinator:
             kind, src, obj, _ = self.inbox.next()
             if kind == "msg":
                 self._take_times(src - 1, obj)
+        for rank in self.shard_ranks:  # after the workers, which said bye to them too
+            self.outbox.send({"kind": "stop"}, rank)
+            self.inbox.expect(rank, self.cfg.dist.worker_timeout_s)
+        while self.inbox.waiting:
+            self.inbox.next()
         self.outbox.wait_all()
 
     def _on_lost_quiet(self, w: int) -> None:
         self.outbox.forget(w + 1)
         self.live.discard(w)
         self.lost.append(w)
+        self._to_shards({"kind": "drop", "worker": w})
 
     def _summary(self, end_s: float) -> RunResult:
         cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
@@ -378,5 +445,6 @@ class Coordinator:
                  "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
                  "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
                  "emulation": self.emulation, "lost_workers": self.lost,
+                 "ps_shards": len(self.block_params),
                  "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s}
         return self.log.summarise(time_s=end_s, ideal_samples_per_s=ideal, extra=extra)

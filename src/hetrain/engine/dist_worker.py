@@ -8,6 +8,9 @@ worker's cumulative busy / comm / idle seconds, measured here:
   busy = the task's compute, padded to its emulated budget;
   comm = emulated wire time of pull and push, and all-reduces (padded to the ring model);
   idle = waiting for rank 0 (for a barrier, a quorum or the server's turn).
+With PS shards (`dist_shard`) a task carries block 0 of the parameters: the worker pulls the
+other blocks from the shards at the task's version, and pushes each block of its update
+(compressed with that block's own error feedback) to the shard that holds it.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class Worker:
         self.rank, self.cfg, self.wl = rank, cfg, workload
         self.group = group
         self.fault = fault
-        self.feedback = ErrorFeedback(compressor)
+        self.compressor = compressor
         self.times = {"busy_s": 0.0, "comm_s": 0.0, "idle_s": 0.0, "bytes_sent": 0,
                       "bytes_received": 0}
         self.tasks = 0
@@ -91,6 +94,9 @@ class Worker:
                                  setup["flops_per_sample"], em.get("time_scale", 1.0))
         self.cluster, self.emulate = cluster, emulate
         self.update, self.comm = setup["update"], setup["comm"]
+        self.shard_ranks: list[int] = setup["shards"]["ranks"]
+        self.block_sizes: list[int] = setup["shards"]["sizes"]
+        self.feedbacks = [ErrorFeedback(self.compressor) for _ in self.block_sizes]
         torch.manual_seed(self.cfg.train.seed + self.rank)
         self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer)
         self.server: Server | None = None
@@ -106,6 +112,8 @@ class Worker:
             msg = self._recv()
             kind = msg["kind"]
             if kind == "stop":
+                for rank in self.shard_ranks:  # ends the shard's receiver of my messages
+                    send_obj({"kind": "bye"}, rank)
                 self._send({"kind": "bye"})
                 return
             if kind == "task":
@@ -130,12 +138,14 @@ class Worker:
         self._inject_fault()
         task, batches = msg["task"], msg["batches"]
         pull_s = 0.0
+        shard_bytes = [0, 0]  # sent to, received from the shards
         if self.comm == "ps":
             t = time.perf_counter()
-            self.throttle.hold(self._nbytes, started_s=t)
+            params = self._pull_blocks(msg, shard_bytes)
+            self.throttle.hold(self._nbytes + shard_bytes[1], started_s=t)
             pull_s = time.perf_counter() - t
             self.times["comm_s"] += pull_s
-            self.replica.load(msg["params"], msg["buffers"])
+            self.replica.load(params, msg["buffers"])
         else:
             assert self.server is not None
             self.replica.load(self.server.params(), self.server.buffers())
@@ -146,10 +156,15 @@ class Worker:
         out: dict[str, Any] = {"kind": "push", "samples": result.samples, "steps": result.steps,
                                "loss": result.loss, "compute_s": compute_s}
         if self.comm == "ps":
-            payload = self.feedback.compress(result.update)
-            out["payload"], out["buffers"] = payload, result.buffers
+            payloads = [fb.compress(part) for fb, part in
+                        zip(self.feedbacks, self._blocks(result.update), strict=True)]
+            for rank, payload in zip(self.shard_ranks, payloads[1:], strict=True):
+                shard_bytes[0] += send_obj({"kind": "push", "payload": payload}, rank)
+            out["payload"], out["buffers"] = payloads[0], result.buffers
+            out["shard_bytes"] = tuple(shard_bytes)
             t = time.perf_counter()
-            self.throttle.hold(payload.nbytes + 4 * sum(b.numel() for b in result.buffers))
+            self.throttle.hold(sum(p.nbytes for p in payloads)
+                               + 4 * sum(b.numel() for b in result.buffers))
             push_s = time.perf_counter() - t
             self.times["comm_s"] += push_s
             out["comm_s"] = pull_s + push_s
@@ -157,6 +172,26 @@ class Worker:
             self.last = result
             out["comm_s"] = 0.0
         self._send(out)
+
+    def _blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Copies, not views: a pickled view would carry the whole tensor's storage."""
+        if not self.shard_ranks:
+            return [flat]
+        return [part.clone() for part in flat.split(self.block_sizes)]
+
+    def _pull_blocks(self, msg: dict[str, Any], shard_bytes: list[int]) -> torch.Tensor:
+        """The full parameters: block 0 from the task, the others from their shards (each
+        answers once it has applied the updates rank 0 had made when it sent the task)."""
+        if not self.shard_ranks:
+            return msg["params"]
+        for rank in self.shard_ranks:
+            shard_bytes[0] += send_obj({"kind": "pull", "version": msg["version"]}, rank)
+        blocks = [msg["params"]]
+        for rank in self.shard_ranks:
+            reply, nbytes = recv_obj(rank)
+            blocks.append(reply["params"])
+            shard_bytes[1] += nbytes
+        return torch.cat(blocks)
 
     def _apply(self, weight: float) -> None:
         """All-reduce sum_i w_i [u_i, b_i, 1] over the workers; step my global copy."""

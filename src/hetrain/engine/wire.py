@@ -93,6 +93,21 @@ def recv_obj(src: int, group: dist.ProcessGroup | None = None) -> tuple[Any, int
     return recv_body(n, src, group), n + 8
 
 
+def pump(src: int, q: queue.Queue[tuple[str, int, Any, int]]) -> None:
+    """Receive src's messages into q as ("msg", src, obj, nbytes), until its last ("bye" or
+    "stop") or a broken connection (then ("lost", src, reason, 0)). Run in a thread per
+    source; a thread still blocked in recv when its process exits aborts the process."""
+    while True:
+        try:
+            obj, n = recv_obj(src)
+        except Exception as e:  # the peer died, hung past the store timeout, or shut down
+            q.put(("lost", src, f"connection lost ({str(e).splitlines()[0][:160]})", 0))
+            return
+        q.put(("msg", src, obj, n))
+        if isinstance(obj, dict) and obj.get("kind") in ("bye", "stop"):
+            return
+
+
 class Inbox:
     """Receive-from-any over point-to-point: one receiver thread per source, one queue.
 
@@ -113,16 +128,7 @@ class Inbox:
                              name=f"hetrain-recv-{src}").start()
 
     def _pump(self, src: int) -> None:
-        while True:
-            try:
-                obj, n = recv_obj(src)
-            except Exception as e:  # the peer died, hung past the store timeout, or shut down
-                self._q.put(("lost", src, f"connection lost ({str(e).splitlines()[0][:160]})",
-                             0))
-                return
-            self._q.put(("msg", src, obj, n))
-            if isinstance(obj, dict) and obj.get("kind") == "bye":
-                return
+        pump(src, self._q)
 
     def expect(self, src: int, timeout_s: float) -> None:
         """src owes us a message within timeout_s."""
@@ -135,21 +141,21 @@ class Inbox:
 
     @property
     def waiting(self) -> list[int]:
-        return sorted(self._deadline)
+        """Sources that owe a message, or whose message `request` held back."""
+        return sorted(set(self._deadline) | {ev[1] for ev in self._stash})
 
     def _get(self) -> tuple[str, int, Any, int]:
         while True:
-            if self._stash:
-                ev = self._stash.popleft()
-            else:
-                now = time.monotonic()
-                src, due = min(self._deadline.items(), key=lambda kv: kv[1])
-                try:
-                    ev = self._q.get(timeout=max(0.0, due - now))
-                except queue.Empty:
-                    del self._deadline[src]
-                    self._gone.add(src)
-                    return "lost", src, "no message within the worker timeout (hung or dead)", 0
+            if self._stash:  # vetted when first received (its source may be gone since)
+                return self._stash.popleft()
+            now = time.monotonic()
+            src, due = min(self._deadline.items(), key=lambda kv: kv[1])
+            try:
+                ev = self._q.get(timeout=max(0.0, due - now))
+            except queue.Empty:
+                del self._deadline[src]
+                self._gone.add(src)
+                return "lost", src, "no message within the worker timeout (hung or dead)", 0
             if ev[1] in self._gone:
                 continue  # a late message or error of a source already given up
             if ev[0] == "lost":
@@ -173,7 +179,7 @@ class Inbox:
             if ev[1] == src:
                 break
             held.append(ev)
-        self._stash.extend(held)
+        self._stash.extendleft(reversed(held))  # ahead of any it did not reach, in order
         return ev
 
 

@@ -1,0 +1,149 @@
+"""Ranks n+1 .. n+S-1 of a dist run with `dist.ps_shards = S`: parameter-server shards.
+
+The model's parameter tensors are split into S contiguous blocks balanced by size
+(`partition`). Rank 0 keeps block 0 together with everything else (strategy, data owner, float
+buffers, evaluation, checkpoints); shard s (rank n + s) holds block s and its slice of the
+server optimizer. The strategy runs once, on rank 0, on the pushes' metadata; a shard only
+carries out rank 0's commands, strictly in the order they were sent, so every block goes
+through the same server updates as in a one-server run (the optimizers are element-wise, so a
+block steps as it would inside the whole model).
+
+Messages a shard receives:
+  from a worker   {"kind": "pull", "version": v}: answered with the block once the shard has
+                  applied v updates (what rank 0 had applied when it released the worker);
+                  {"kind": "push", "payload": the worker's compressed update of this block};
+  from rank 0     "setup" (the block, update mode, outer optimizer, optimizer state, version),
+                  "apply" (the Decision's (worker, weight) items: each worker's oldest buffered
+                  pushes, waited for if they have not arrived yet), "drop" (a lost worker),
+                  "state" (send the block and optimizer state), "stop".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, deque
+from collections.abc import Sequence
+from itertools import accumulate, pairwise
+from typing import Any
+
+from torch import Tensor, nn
+
+from hetrain.compress import Compressor
+from hetrain.config import RunConfig
+from hetrain.engine.core import Server
+from hetrain.engine.wire import Outbox, pump, send_obj
+
+log = logging.getLogger("hetrain.dist")
+JOIN_S = 10.0
+
+
+def partition(numels: Sequence[int], shards: int) -> list[tuple[int, int]]:
+    """Split tensors 0..k-1 into `shards` contiguous, non-empty [start, end) ranges, each
+    boundary at the tensor end nearest its even share of the total numel. Whole tensors only:
+    a block then needs no bookkeeping beyond its tensors' order."""
+    if not 1 <= shards <= len(numels):
+        raise ValueError(f"cannot split {len(numels)} tensors into {shards} shards")
+    cum = [0, *accumulate(numels)]
+    bounds = [0]
+    for s in range(1, shards):
+        target = cum[-1] * s / shards
+        lo, hi = bounds[-1] + 1, len(numels) - (shards - s)  # a tensor for every later block
+        bounds.append(min(range(lo, hi + 1), key=lambda e: abs(cum[e] - target)))
+    bounds.append(len(numels))
+    return list(pairwise(bounds))
+
+
+class Shard:
+    """One shard's loop: buffer pushed blocks and pulls, run rank 0's commands in order."""
+
+    def __init__(self, n_workers: int, cfg: RunConfig, compressor: Compressor) -> None:
+        self.cfg, self.compressor = cfg, compressor
+        self.server: Server | None = None
+        self.commands: deque[dict[str, Any]] = deque()
+        self.blocks: dict[int, deque[Tensor]] = {w: deque() for w in range(n_workers)}
+        self.pulls: list[tuple[int, int]] = []
+        self.dropped: set[int] = set()
+        self.outbox = Outbox()
+        self.q: queue.Queue[tuple[str, int, Any, int]] = queue.Queue()
+        self.receivers = [threading.Thread(target=pump, args=(src, self.q), daemon=True,
+                                           name=f"hetrain-shard-recv-{src}")
+                          for src in range(n_workers + 1)]  # rank 0 and the workers
+        for t in self.receivers:
+            t.start()
+
+    @property
+    def version(self) -> int:
+        return -1 if self.server is None else self.server.version
+
+    def run(self) -> None:
+        while True:
+            kind, src, msg, _ = self.q.get()
+            if kind == "lost":
+                if src == 0:
+                    log.warning("hetrain: shard lost rank 0 (%s); stopping", msg)
+                    return
+                continue  # rank 0 decides what a lost worker means (its "drop" command)
+            if src == 0:
+                self.commands.append(msg)
+            elif src - 1 not in self.dropped and msg["kind"] != "bye":
+                if msg["kind"] == "push":
+                    self.blocks[src - 1].append(self.compressor.extract(msg["payload"]))
+                else:
+                    self.pulls.append((src - 1, msg["version"]))
+            if not self._progress():
+                return
+
+    def _progress(self) -> bool:
+        """Run the commands whose pushes are here, then answer the pulls whose version is
+        reached; False once stopped."""
+        while self.commands and self._ready(self.commands[0]):
+            if not self._execute(self.commands.popleft()):
+                return False
+        waiting = []
+        for w, v in self.pulls:
+            if w in self.dropped:
+                continue
+            if self.server is not None and self.version >= v:
+                self.outbox.send({"kind": "block", "params": self.server.params()}, w + 1)
+            else:
+                waiting.append((w, v))
+        self.pulls = waiting
+        return True
+
+    def _ready(self, cmd: dict[str, Any]) -> bool:
+        if cmd["kind"] != "apply":
+            return True
+        need = Counter(w for w, _ in cmd["items"])
+        return all(len(self.blocks[w]) >= k for w, k in need.items())
+
+    def _execute(self, cmd: dict[str, Any]) -> bool:
+        kind = cmd["kind"]
+        if kind == "setup":
+            params = nn.ParameterList([nn.Parameter(t) for t in cmd["params"]])
+            self.server = Server(params, cmd["update"], self.cfg.optimizer, cmd["outer"])
+            if cmd["optimizer"] is not None:
+                self.server.optimizer.load_state_dict(cmd["optimizer"])
+            self.server.version = cmd["version"]
+        elif kind == "apply":
+            assert self.server is not None
+            self.server.apply([(weight, self.blocks[w].popleft(), [])
+                               for w, weight in cmd["items"]])
+        elif kind == "drop":
+            w = cmd["worker"]
+            self.dropped.add(w)
+            self.blocks[w].clear()
+            self.outbox.forget(w + 1)
+        elif kind == "state":
+            assert self.server is not None
+            send_obj({"kind": "state", "params": self.server.params(),
+                      "optimizer": self.server.optimizer.state_dict()}, 0)
+        elif kind == "stop":  # sent after every live worker said bye (to us too)
+            for src, t in enumerate(self.receivers):  # each ends at its sender's last message
+                if src - 1 not in self.dropped:
+                    t.join(JOIN_S)
+            send_obj({"kind": "bye"}, 0)
+            self.outbox.wait_all()
+            return False
+        return True
