@@ -126,3 +126,31 @@ def test_error_feedback_loses_nothing_and_its_residual_stays_bounded(compressor)
     assert sum(second) / len(second) < 1.15 * sum(first) / len(first)
     assert max(norms) < 0.5 * float(total_in.norm())
     assert max(norms) > 0  # lossy: there is a residual to keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_local_start_keeps_the_unsent_progress_in_the_local_model(dtype):
+    """A delta-mode worker that starts from `local_start(pulled)` sends, over its pushes,
+    exactly its displacement from each pulled model: sent + residual = pulled - end, so its
+    unsent progress is neither lost nor re-learned and counted twice."""
+    gen = torch.Generator().manual_seed(2)
+    n = 500
+    ef = ErrorFeedback(TopK(0.01))
+    pulled = torch.randn(n, dtype=dtype, generator=gen)
+    assert ef.local_start(pulled) is pulled  # no residual yet
+    for _ in range(50):
+        pulled = pulled + 0.1 * torch.randn(n, dtype=dtype, generator=gen)  # others' commits
+        start = ef.local_start(pulled)
+        assert start.shape == pulled.shape and start.dtype == dtype
+        end = start - 0.05 * torch.randn(n, dtype=dtype, generator=gen)  # local training
+        sent = ef.compressor.extract(ef.compress(start - end))
+        torch.testing.assert_close(sent + ef.residual, pulled - end)
+        assert int((sent != 0).sum()) <= ef.compressor.k_of(n)
+
+
+def test_local_start_is_the_pulled_model_without_a_residual():
+    x = torch.randn(10)
+    for compressor in (make_compressor("none"), QSGD(levels=3)):
+        ef = ErrorFeedback(compressor)
+        ef.compress(torch.randn(10))
+        assert ef.local_start(x) is x

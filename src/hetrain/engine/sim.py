@@ -144,6 +144,8 @@ class Simulator:
             start = t
         times.comm_s += start - t + collective_s
         rep = self.replicas[w]
+        if self.strategy.update == "delta":  # keep its unsent progress (ErrorFeedback.local_start)
+            params = self.feedback[w].local_start(params)
         rep.load(params, self.server.buffers())
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
         result = rep.run(task, self.strategy.update, batches)
