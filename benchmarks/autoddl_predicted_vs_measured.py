@@ -3,12 +3,15 @@
     .venv/bin/python benchmarks/autoddl_predicted_vs_measured.py [--repeats 3] [--steps 4]
 
 Per repeat, one spawn of 4 CPU processes (one thread each):
-1. calibrate a priori, with microbenchmarks only (no plan is timed for calibration): each rank
-   times fp32 matmuls of the models' sizes while all four run at once (the median is every
-   device's FLOP/s), and all-reduce, all-gather, reduce-scatter and all-to-all of 4 KiB..4 MiB
-   are timed; the all-reduce fit to t = 2(p-1) alpha + 2(p-1)/p n / beta (the cost model's
-   ring formula) gives the loopback link, the others' fits give per-collective factors
-   (gloo's all-gather costs like its all-reduce, its reduce-scatter has a large latency);
+1. calibrate a priori, with microbenchmarks only (no plan is timed for calibration), all four
+   ranks at once: fp32 matmuls of the models' sizes (the median is every device's FLOP/s);
+   DTensor redistributions (what the executor calls) doing all-reduce, all-gather,
+   reduce-scatter and all-to-all of 4 KiB..4 MiB, back to back, on the 1-D mesh of 4 and on
+   each axis of the 2 x 2 mesh: the all-reduce fit to t = call + 2(p-1) alpha + 2(p-1)/p n /
+   beta over both group sizes gives a fixed per-call cost and the loopback link, the others'
+   fits per-collective factors; forward + backward of one op of each kind (linear, conv,
+   attention, layer norm, GELU, add, embedding, loss) on replicated DTensors at two sizes
+   gives each kind's fixed overhead and its throughput relative to the matmul FLOP/s;
 2. run every plan (templates on a 1-D mesh of 4 and a 2 x 2 mesh, plus the plan the search
    picks for the calibrated cluster) for 2 warm-up and --steps timed steps of real training
    (tiny GPT and VGG, DTensor executor, SGD), the plans' steps interleaved round-robin so
@@ -35,7 +38,7 @@ import torch.distributed as dist
 from scipy.stats import spearmanr
 
 from hetrain.cluster import Cluster, Device, Link, Site
-from hetrain.plan.cost import CostOptions, Plan, plan_cost
+from hetrain.plan.cost import CostOptions, Plan, plan_cost, stage_tables
 from hetrain.plan.graph import LayerGraph, gpt_graph, vgg_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
@@ -73,8 +76,12 @@ def cluster_from(flops: float, alpha_s: float, beta_Bps: float) -> Cluster:
                    (site,))
 
 
-def options_from(factors: list[tuple[str, float, float]]) -> CostOptions:
-    return CostOptions(optimizer_states=0.0, collective_factors=tuple(map(tuple, factors)))  # type: ignore[arg-type]
+def options_from(calib: dict[str, Any]) -> CostOptions:
+    return CostOptions(optimizer_states=0.0,
+                       collective_factors=tuple(tuple(f) for f in calib["factors"]),  # type: ignore[misc]
+                       collective_call_s=calib["call_s"],
+                       op_overhead_s=tuple(sorted(calib["op_overhead_s"].items())),
+                       kind_speed=tuple(sorted(calib["kind_speed"].items())))
 
 
 def plans_for(graph: LayerGraph, cluster: Cluster, options: CostOptions) -> dict[str, Plan]:
@@ -91,20 +98,138 @@ _FORMULA = {  # (latency steps, byte fraction) of each ring collective over p de
     "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
     "all_to_all": lambda p: (p - 1, (p - 1) / p**2),
 }
+_WEIGHTED = ("linear", "conv", "embedding", "layernorm")  # the cost model's 3x (else 2x)
 
 
-def _collective(kind: str, nbytes: int, world: int):  # type: ignore[no-untyped-def]
-    full, part = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4 // world)
-    return {"all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-            "all_to_all": lambda: dist.all_to_all_single(full.clone(), full)}[kind]
+def _time_s(fn: Any, calls: int = 8, reps: int = 3) -> float:
+    """Median over reps of the mean time of `calls` back-to-back calls, all ranks starting
+    together: back to back, as the executor's per-tensor gradient loop and ops run."""
+    fn()
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls)
+    return statistics.median(out)
 
 
-def _calibrate(rank: int, world: int) -> tuple[float, float, float, list[tuple[str, float, float]]]:
-    """(FLOP/s, alpha_s, beta_Bps, per-collective factors), identical on every rank."""
+def _collective_times(world: int) -> list[tuple[str, int, int, float]]:
+    """(kind, group size p, bytes held by one group, seconds) of DTensor redistributions (what
+    the executor calls) on the 1-D mesh of 4 and on each axis of the 2 x 2 mesh (two groups of
+    2 at once), 4 KiB..4 MiB."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    meshes = [(init_device_mesh("cpu", (world,)), 0), *((init_device_mesh("cpu", (2, 2)), a) for a in (0, 1))]
+    moves = {"all_reduce": (Partial(), Replicate()), "all_gather": (Shard(0), Replicate()),
+             "reduce_scatter": (Partial(), Shard(0)), "all_to_all": (Shard(0), Shard(1))}
+    out = []
+    for mesh, axis in meshes:
+        p = mesh.shape[axis]
+        for kind, (src, dst) in moves.items():
+            for nbytes in [2**k for k in (9, *range(12, 23, 2))]:
+                full = torch.zeros(max(nbytes // 4 // 32, 4), 32)
+                pl_src = [Replicate()] * mesh.ndim
+                pl_dst = list(pl_src)
+                pl_src[axis], pl_dst[axis] = src, dst
+                x = distribute_tensor(full, mesh, [Replicate() if isinstance(q, Partial) else q
+                                                   for q in pl_src], src_data_rank=None)
+                if isinstance(src, Partial):
+                    x = type(x).from_local(x.to_local(), mesh, pl_src, run_check=False)
+                out.append((kind, p, nbytes, _time_s(lambda x=x, d=pl_dst, m=mesh: x.redistribute(m, d))))
+    return out
+
+
+def _fit_collectives(rows: list[tuple[str, int, int, float]]) -> tuple[float, float, float, list[tuple[str, float, float]]]:
+    """(call_s, alpha, beta, factors): all-reduce over both group sizes fit to t = call_s +
+    steps(p) alpha + frac(p) n / beta (a fixed per-call cost plus the ring formula), then each
+    other collective's (latency, per-byte) factors against that ring with the same call_s."""
     from scipy.optimize import nnls
 
+    def design(kind: str) -> tuple[np.ndarray, np.ndarray]:
+        sel = [r for r in rows if r[0] == kind]
+        return (np.array([[*_FORMULA[kind](p)[:1], _FORMULA[kind](p)[1] * n] for _, p, n, _ in sel]),
+                np.array([t for *_, t in sel]))
+
+    a, y = design("all_reduce")
+    (call_s, alpha, inv_beta), _ = nnls(np.hstack([np.ones((len(y), 1)), a]), y)
+    alpha, inv_beta = max(alpha, 1e-7), max(inv_beta, 1e-12)
+    factors = []
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        a, y = design(kind)
+        (fa, fb), _ = nnls(a, np.maximum(y - call_s, 0.0))
+        factors.append((kind, max(fa, 1e-7) / alpha, max(fb, 1e-12) / inv_beta))
+    return float(call_s), float(alpha), float(1.0 / inv_beta), factors
+
+
+def _op_cases(s: int) -> dict[str, tuple[Any, list[torch.Tensor], float]]:
+    """kind -> (module or function, inputs, forward FLOPs by graph.py's conventions) at 1/s of
+    a base size (s=1 about the benchmark models' sizes, s=8 nearly pure overhead)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    b, t, c, h = 16 // s, 32, 128 // s, 4
+    n, ch, px = b * t * c, 16 // s, 32 // s
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (z.view(b, t, -1, c // h).transpose(1, 2) for z in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+
+    def x(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape)
+
+    return {"linear": (nn.Linear(c, c), [x(b, t, c)], 2.0 * n * c),
+            "layernorm": (nn.LayerNorm(c), [x(b, t, c)], 8.0 * n),
+            "attention": (attn, [x(b, t, c), x(b, t, c), x(b, t, c)], 4.0 * b * t * t * c + 5.0 * b * h * t * t),
+            "elementwise": (F.gelu, [x(b, t, 4 * c)], 8.0 * 4 * n),
+            "add": (torch.add, [x(b, t, c), x(b, t, c)], 1.0 * n),
+            "embedding": (nn.Embedding(256, c), [torch.randint(0, 256, (b, t))], 2.0 * n),
+            "conv": (nn.Conv2d(ch, ch, 3, padding=1), [x(2 * ch, ch, px, px)], 2.0 * 2 * ch * px * px * ch * ch * 9),
+            "cross_entropy": (F.cross_entropy, [x(b * t, 256), torch.randint(0, 256, (b * t,))], 4.0 * b * t * 256)}
+
+
+def _op_profile(world: int, flops: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Per op kind, (fixed overhead s, throughput / matmul FLOP/s) of forward + backward of
+    replicated DTensors on the 1-D mesh, all ranks at once, from a small and a base size:
+    t(size) = overhead + c flops(size) / rate."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
+
+    register_cpu_sdpa_sharding()
+    mesh = init_device_mesh("cpu", (world,))
+    times: dict[tuple[str, int], tuple[float, float]] = {}
+    for s in (1, 8):
+        for kind, (fn, ins, fl) in _op_cases(s).items():
+            if isinstance(fn, nn.Module):
+                for pn, p in list(fn.named_parameters()):
+                    fn.register_parameter(pn, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+            args = [distribute_tensor(z, mesh, [Replicate()]).requires_grad_(z.is_floating_point())
+                    for z in ins]
+
+            def step(fn: Any = fn, args: list[Any] = args) -> None:
+                out = fn(*args)
+                out.backward(torch.ones_like(out))
+
+            times[(kind, s)] = (_time_s(step, 5, 5), fl)
+    overhead, speed = {}, {}
+    for kind in _op_cases(1):
+        (tb, fb), (ts, fs) = times[(kind, 1)], times[(kind, 8)]
+        c = 3.0 if kind in _WEIGHTED else 2.0
+        per_flop = max(tb - ts, 0.05 * tb) / (c * (fb - fs))
+        overhead[kind] = max(ts - c * fs * per_flop, 0.0)
+        speed[kind] = 1.0 / per_flop / flops
+    return overhead, speed
+
+
+def _calibrate(rank: int, world: int) -> dict[str, Any]:
+    """Microbenchmarks only (no plan is timed), identical on every rank: matmul FLOP/s,
+    collectives (per-call cost, ring alpha/beta, per-collective factors), per-op-kind overhead
+    and throughput."""
     a, b = torch.randn(512, 128), torch.randn(128, 512)
     dist.barrier()
     n, t0 = 0, time.perf_counter()
@@ -115,28 +240,12 @@ def _calibrate(rank: int, world: int) -> tuple[float, float, float, list[tuple[s
     mine = 2.0 * 512 * 128 * 512 * n / (time.perf_counter() - t0)
     flops: list[float] = [0.0] * world
     dist.all_gather_object(flops, mine)
-    fits = {}
-    sizes = [2**k for k in range(12, 23, 2)]
-    for kind, formula in _FORMULA.items():
-        times = []
-        for nbytes in sizes:
-            fn = _collective(kind, nbytes, world)
-            fn()
-            reps = []
-            for _ in range(7):
-                dist.barrier()
-                t = time.perf_counter()
-                fn()
-                reps.append(time.perf_counter() - t)
-            times.append(statistics.median(reps))
-        steps, frac = formula(world)
-        (alpha, inv_beta), _ = nnls(np.array([[steps, frac * s] for s in sizes]), np.array(times))
-        fits[kind] = (max(alpha, 1e-7), max(inv_beta, 1e-12))
-    alpha, inv_beta = fits["all_reduce"]
-    factors = [(k, fa / alpha, fb / inv_beta) for k, (fa, fb) in fits.items() if k != "all_reduce"]
-    calib = [statistics.median(flops), alpha, 1.0 / inv_beta, factors]
+    call_s, alpha, beta, factors = _fit_collectives(_collective_times(world))
+    overhead, speed = _op_profile(world, statistics.median(flops))
+    calib = [dict(flops=statistics.median(flops), alpha_s=alpha, beta_Bps=beta, factors=factors,
+                  call_s=call_s, op_overhead_s=overhead, kind_speed=speed)]
     dist.broadcast_object_list(calib, src=0)  # every rank searches with identical numbers
-    return calib[0], calib[1], calib[2], calib[3]
+    return calib[0]
 
 
 def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -144,8 +253,9 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
 
     from hetrain.parallel.execute import PlanExecutor
 
-    flops, alpha, beta, factors = _calibrate(rank, world)
-    cluster, options = cluster_from(flops, alpha, beta), options_from(factors)
+    calib = _calibrate(rank, world)
+    cluster, options = cluster_from(calib["flops"], calib["alpha_s"], calib["beta_Bps"]), options_from(calib)
+    plans: dict[str, dict[str, Any]] = {}
     runs = []  # every plan of every model stays alive; steps are interleaved round-robin so
     for name, (graph, build, make) in models().items():  # a change in machine load hits all
         gen = torch.Generator().manual_seed(1)
@@ -154,9 +264,11 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
             mesh = init_device_mesh("cpu", plan.stages[0].mesh.shape)
             torch.manual_seed(0)
             model = build()
-            ex = PlanExecutor(model, graph, plan, mesh, cross_entropy, cluster)
+            comm = stage_tables(graph, plan.stages[0].mesh, cluster, options).comm
+            ex = PlanExecutor(model, graph, plan, mesh, cross_entropy, cluster, comm)
             opt = torch.optim.SGD(list(model.parameters()), lr=0.01, foreach=False)
             runs.append((name, label, ex, opt, batch, []))
+            plans.setdefault(name, {})[label] = plan.to_dict()
     for k in range(steps + 2):
         for _, _, ex, opt, (x, y), times in runs:
             dist.barrier()
@@ -168,8 +280,16 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     measured: dict[str, dict[str, float]] = {}
     for name, label, _, _, _, times in runs:
         measured.setdefault(name, {})[label] = statistics.median(times)
-    return {"flops": flops, "alpha_s": alpha, "beta_Bps": beta, "factors": factors,
-            "measured": measured}
+    # calibrate again after the runs: the prediction uses the mean of both, i.e. the machine's
+    # state (load from other work) over the whole run, not only at its start
+    return _mean_calibration(calib, _calibrate(rank, world)) | {"measured": measured, "plans": plans}
+
+
+def _mean_calibration(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    fb = {k: (x, y) for k, x, y in b["factors"]}
+    return {**{k: (a[k] + b[k]) / 2 for k in ("flops", "alpha_s", "beta_Bps", "call_s")},
+            "factors": [(k, (x + fb[k][0]) / 2, (y + fb[k][1]) / 2) for k, x, y in a["factors"]],
+            **{d: {k: (v + b[d][k]) / 2 for k, v in a[d].items()} for d in ("op_overhead_s", "kind_speed")}}
 
 
 def main() -> None:
@@ -184,10 +304,10 @@ def main() -> None:
         t0 = time.perf_counter()
         res = run_local(worker, 4, (args.steps,), timeout_s=900)[0]
         cluster = cluster_from(res["flops"], res["alpha_s"], res["beta_Bps"])
-        options = options_from(res["factors"])
+        options = options_from(res)
         rows, per_model = [], {}
         for name, (graph, _, _) in models().items():
-            plans = plans_for(graph, cluster, options)
+            plans = {k: Plan.from_dict(d) for k, d in res["plans"][name].items()}  # the ones run
             pred = {k: plan_cost(graph, p, cluster, options).time_s for k, p in plans.items()}
             meas = res["measured"][name]
             keys = list(plans)
@@ -196,7 +316,7 @@ def main() -> None:
                           mesh=plans[k].stages[0].mesh.label, predicted_s=pred[k], measured_s=meas[k])
                      for k in keys]
         pooled = float(spearmanr([x["predicted_s"] for x in rows], [x["measured_s"] for x in rows])[0])
-        repeats.append(dict(calibration={k: res[k] for k in ("flops", "alpha_s", "beta_Bps", "factors")},
+        repeats.append(dict(calibration={k: v for k, v in res.items() if k not in ("measured", "plans")},
                             spearman=per_model | {"pooled": pooled}, rows=rows,
                             wall_s=time.perf_counter() - t0))
         print(f"repeat {r}: spearman {repeats[-1]['spearman']} ({repeats[-1]['wall_s']:.0f} s)", flush=True)
@@ -215,16 +335,22 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
     md = [f"<!-- made by: {cmd} -->", "# Predicted vs measured step time (4 gloo processes, this machine)",
           "", f"Command: `{cmd}`; {len(repeats)} repeat(s), {args.steps} timed steps per plan "
           "(median), 2-core machine shared with other work (real processes, measured).", "",
-          f"Calibration (repeat 0, microbenchmarks only): matmul {c['flops']:.3g} FLOP/s per rank "
+          "Calibration (repeat 0, microbenchmarks only, before and after the runs): matmul "
+          f"{c['flops']:.3g} FLOP/s per rank "
           f"(median of the 4 running at once), all-reduce fit alpha {c['alpha_s'] * 1e6:.0f} us, "
           f"beta {c['beta_Bps'] / 1e6:.0f} MB/s; other collectives vs the ring formula "
           f"(latency x, per-byte x): "
-          + ", ".join(f"{k} {fa:.2f}/{fb:.2f}" for k, fa, fb in c["factors"]) + ".", "",
+          + ", ".join(f"{k} {fa:.2f}/{fb:.2f}" for k, fa, fb in c["factors"])
+          + f"; fixed cost per collective call {c['call_s'] * 1e6:.0f} us. Per op kind, forward + "
+          "backward overhead (us) / throughput vs matmul FLOP/s: "
+          + ", ".join(f"{k} {c['op_overhead_s'][k] * 1e6:.0f}/{c['kind_speed'][k]:.2g}"
+                      for k in sorted(c["op_overhead_s"])) + ".", "",
           "Spearman rank correlation, predicted vs measured: " + ", ".join(
               f"{k} {med[k]:.2f} (per repeat {[round(r['spearman'][k], 2) for r in repeats]})"
               for k in keys), "",
-          "Predicted: repeat 0's calibration. `searched` is the plan the search picks for each "
-          "repeat's calibration (it may differ between repeats; the row shows repeat 0's).", "",
+          "Predicted: repeat 0's calibration (mean of the microbenchmarks before and after the plan "
+          "runs). `searched` is the plan the search picks for each repeat's calibration before "
+          "its runs (it may differ between repeats; the row shows repeat 0's).", "",
           "| model | plan | mesh | signatures | predicted s | measured s (median over repeats) | spread |",
           "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(repeats[0]["rows"]):

@@ -116,3 +116,27 @@ def test_graphs_from_descriptions_and_modules() -> None:
     assert [op.kind for op in traced.ops] == [op.kind for op in described.ops]
     assert traced.param_bytes() == pytest.approx(described.param_bytes())
     assert traced.total_flops() == pytest.approx(described.total_flops(), rel=0.05)
+
+
+def test_op_overhead_and_kind_speed_price_compute_per_kind() -> None:
+    c, g = homogeneous(4), mlp_graph()
+    opts = CostOptions(op_overhead_s=(("linear", 1e-3), ("elementwise", 2e-4)),
+                       kind_speed=(("linear", 0.5),))
+    rep = plan_cost(g, data_parallel_plan(g, c), c, opts)
+    f = c.devices[0].flops
+    # fc and proj: overhead + 3 x flops / 4 devices / (0.5 f); act (0 FLOPs): overhead only;
+    # the loss (kind not listed): no overhead, full speed, 0 FLOPs
+    mm = 2.0 * 32 * 256 * 1024
+    assert rep.compute_s == pytest.approx(2 * (1e-3 + 3 * mm / 4 / (0.5 * f)) + 2e-4)
+    base = plan_cost(g, data_parallel_plan(g, c), c)
+    assert base.compute_s == pytest.approx(2 * 3 * mm / 4 / f)  # defaults: the plain FLOP model
+    with pytest.raises(ConfigError):
+        CostOptions(kind_speed=(("linear", 0.0),))
+
+
+def test_collective_call_cost_is_paid_per_gradient_tensor() -> None:
+    c, g = homogeneous(4), mlp_graph()
+    base = plan_cost(g, data_parallel_plan(g, c), c)
+    rep = plan_cost(g, data_parallel_plan(g, c), c, CostOptions(collective_call_s=0.01))
+    assert rep.sync_s == pytest.approx(base.sync_s + 2 * 0.01)  # two weights, no biases
+    assert rep.time_s == pytest.approx(base.time_s + 2 * 0.01)

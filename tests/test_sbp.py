@@ -137,3 +137,22 @@ def test_boxing_path_is_the_priced_route() -> None:
     steps = sum(comm.boxing_s(x, y, (128, 64)) for x, y in itertools.pairwise(path))
     assert steps == pytest.approx(comm.boxing_s((P, P), (B, B), (128, 64)))
     assert len(path) == 4  # reduce-scatter, all-reduce of a quarter, all-gather
+
+
+def test_call_cost_is_paid_once_per_collective_and_shortens_paths() -> None:
+    c = homogeneous(4)
+    lan = c.sites[0].lan
+    one_d = MeshComm(c, Mesh((4,), (0, 1, 2, 3)), call_s=0.01)
+    T = 1e6
+    ring = 6 * (lan.latency_s + T / (4 * lan.bandwidth_Bps))
+    assert one_d.collective_s("all_reduce", 0, T) == pytest.approx(0.01 + ring)
+    assert one_d.boxing_s((B,), (Split(0),), (8, 8)) == 0.0  # local: no call
+    # 2 x 2: with a large per-call cost, (P, P) -> (B, B) is one all-reduce per axis (2 calls)
+    # instead of reduce-scatter, all-reduce, all-gather (3 calls)
+    two_d = MeshComm(c, Mesh((2, 2), (0, 1, 2, 3)), call_s=1.0)
+    shape, nbytes = (128, 64), 128 * 64 * 4
+    ar2 = 2 * (lan.latency_s + nbytes / (2 * lan.bandwidth_Bps))
+    assert two_d.boxing_path((P, P), (B, B), shape) in ([(P, P), (B, P), (B, B)], [(P, P), (P, B), (B, B)])
+    assert two_d.boxing_s((P, P), (B, B), shape) == pytest.approx(2 * (1.0 + ar2))
+    with pytest.raises(ConfigError):
+        MeshComm(c, Mesh((4,), (0, 1, 2, 3)), call_s=-1.0)

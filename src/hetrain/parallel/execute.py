@@ -128,11 +128,14 @@ class PlanExecutor:
     global batch; it returns the global mean loss (same value on every rank)."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan, mesh: DeviceMesh,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None,
+                 comm: MeshComm | None = None):
+        """`comm` (default: the cluster's plain rings) routes redistributions; pass the cost
+        model's own (StageTables.comm) so the executor runs the boxing paths it priced."""
         register_cpu_sdpa_sharding()
         self.sigs = resolve_signatures(graph, plan)
         pm = plan.stages[0].mesh
-        self.comm = mesh_comm(cluster or homogeneous(max(pm.devices) + 1), pm)
+        self.comm = comm or mesh_comm(cluster or homogeneous(max(pm.devices) + 1), pm)
         if tuple(mesh.shape) != plan.stages[0].mesh.shape:
             raise ConfigError(f"device mesh {tuple(mesh.shape)} does not match the plan's "
                               f"{plan.stages[0].mesh.shape}")

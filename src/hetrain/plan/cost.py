@@ -5,11 +5,17 @@ One training iteration of a stage on mesh M with per-op signatures s_i costs
     T = sum_i compute_i(s_i) + sum_(u->v) [box(out_u -> in_v) + box(din_v -> grad(out_u))]
         + sum_i sync_i(s_i) + internal_i(s_i) + max_d step_overhead_d
 
-compute_i = c_i * flops_i / (prod of the axis sizes that split op i) / min_d speed_d: a split
-op runs in lockstep, so the slowest mesh member sets the pace; c_i = 3 for weighted ops
-(forward + data grad + weight grad), 2 for the others. The backward boxing of an edge is the
-dual of the forward one (an all-gather forward is a reduce-scatter backward). sync_i converts
-the weight gradient (Partial on every axis where the weight is Broadcast but the work split)
+compute_i = o_k + c_i * flops_i / (prod of the axis sizes that split op i) / (r_k min_d speed_d):
+a split op runs in lockstep, so the slowest mesh member sets the pace; c_i = 3 for weighted ops
+(forward + data grad + weight grad), 2 for the others. Per op kind k (CostOptions, calibrated
+by microbenchmarks; defaults 0 and 1): o_k is the fixed framework cost of running one op forward
+and backward whatever its size or split (DTensor dispatch, sharding propagation, autograd), and
+r_k the kind's throughput relative to the device's (matmul) FLOP/s, since layer norm, GELU,
+softmax or pooling are memory-bound. Every collective may also pay a fixed per-call cost
+(CostOptions.collective_call_s, see sbp.MeshComm): gradients are synchronised one tensor at a
+time and one mesh axis at a time, so that cost is paid per tensor and per axis. The backward
+boxing of an edge is the dual of the forward one (an all-gather forward is a reduce-scatter
+backward). sync_i converts the weight gradient (Partial on every axis where the weight is Broadcast but the work split)
 back to the weight's placement: the data-parallel gradient all-reduce, hierarchical on 2-D
 meshes. Nothing overlaps (an upper bound; real runs overlap some sync with backward).
 
@@ -65,10 +71,21 @@ class CostOptions:
     collective_factors: CollectiveFactors = ()
     """Per-collective corrections to the ring formulas, from a profile of the collective
     library (see sbp.CollectiveFactors); () is the ideal ring."""
+    collective_call_s: float = 0.0
+    """Fixed seconds per collective call, whatever its group size or bytes (sbp.MeshComm)."""
+    op_overhead_s: tuple[tuple[str, float], ...] = ()
+    """(op kind, seconds): fixed cost of one op's forward + backward (framework dispatch);
+    kinds not listed cost 0."""
+    kind_speed: tuple[tuple[str, float], ...] = ()
+    """(op kind, throughput / device FLOP/s); kinds not listed run at 1 (the device's FLOP/s)."""
 
     def __post_init__(self) -> None:
         if self.optimizer_states < 0:
             raise ConfigError("optimizer_states must be >= 0 (Adam: 2, SGD+momentum: 1)")
+        if self.collective_call_s < 0 or any(v < 0 for _, v in self.op_overhead_s):
+            raise ConfigError("collective_call_s and op_overhead_s must be >= 0")
+        if any(v <= 0 for _, v in self.kind_speed):
+            raise ConfigError("kind_speed values must be > 0")
 
 
 @dataclass(frozen=True)
@@ -176,7 +193,8 @@ class StageTables:
                  options: CostOptions | None = None):
         self.graph, self.mesh, self.cluster = graph, mesh, cluster
         self.options = options or CostOptions()
-        self.comm = mesh_comm(cluster, mesh, self.options.collective_factors)
+        self.comm = mesh_comm(cluster, mesh, self.options.collective_factors,
+                              self.options.collective_call_s)
         members = [cluster.devices[d] for d in mesh.devices]
         self.min_speed = min(d.flops for d in members)
         self.memory_limit_bytes = min(d.memory_bytes for d in members)
@@ -208,10 +226,12 @@ class StageTables:
     def _node(self, op: Op) -> tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         ms, sigs = self.mesh.shape, signatures(op, self.mesh.shape)
         factor = 3.0 if op.weight_shape else 2.0
+        overhead = dict(self.options.op_overhead_s).get(op.kind, 0.0)
+        speed = self.min_speed * dict(self.options.kind_speed).get(op.kind, 1.0)
         comp, inter, sync, mem = (np.zeros(len(sigs)) for _ in range(4))
         for k, sg in enumerate(sigs):
             split = math.prod(p for p, a in zip(ms, sg.axes, strict=True) if a.split)
-            comp[k] = factor * op.flops / split / self.min_speed
+            comp[k] = overhead + factor * op.flops / split / speed
             w = sg.weight
             if w is not None:
                 grad = tuple(weight_grad_placement(a.split, a.weight) for a in sg.axes)

@@ -14,6 +14,7 @@ all-gather or reduce-scatter moves T(p-1)/p, an all-reduce 2T(p-1)/p, an all-to-
     all-reduce                  2(p-1) (alpha + T / (p beta))
     all-to-all                   sum over p-1 pairwise rounds of (alpha_r + T / (p^2 beta_r))
 
+plus an optional fixed cost per call (MeshComm.call_s, default 0).
 B->S, B->P, S->P are local (free). alpha is the slowest hop's latency, beta the narrowest
 hop's bandwidth, where concurrent rings of one mesh axis that leave a site share its WAN
 uplink (so the outer axis of a sites x local mesh pays WAN bandwidth / (rings crossing)).
@@ -217,16 +218,26 @@ def _valid_states(divisible: tuple[tuple[bool, ...], ...], ms: tuple[int, ...]) 
 
 
 @lru_cache(maxsize=256)
-def mesh_comm(cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = ()) -> MeshComm:
+def mesh_comm(cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = (),
+              call_s: float = 0.0) -> MeshComm:
     """The (cached) MeshComm of a mesh: boxing results are reused across searches."""
-    return MeshComm(cluster, mesh, factors)
+    return MeshComm(cluster, mesh, factors, call_s)
 
 
 class MeshComm:
-    """Collective and boxing times on one mesh of one cluster (cached)."""
+    """Collective and boxing times on one mesh of one cluster (cached).
 
-    def __init__(self, cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = ()):
-        self.cluster, self.mesh = cluster, mesh
+    `call_s` is a fixed cost per collective call on top of the ring formula, whatever the
+    group size: the framework's and library's per-call work (DTensor redistribute, process
+    wake-ups), which the per-hop alpha does not scale like. It makes boxing paths with fewer
+    steps cheaper (an all-reduce per mesh axis beats reduce-scatter, all-reduce, all-gather
+    for small tensors)."""
+
+    def __init__(self, cluster: Cluster, mesh: Mesh, factors: CollectiveFactors = (),
+                 call_s: float = 0.0):
+        if call_s < 0:
+            raise ConfigError(f"collective call_s must be >= 0, got {call_s}")
+        self.cluster, self.mesh, self.call_s = cluster, mesh, call_s
         self.factors = {k: (fa, fb) for k, fa, fb in factors}
         for i in mesh.devices:
             if not 0 <= i < cluster.n:
@@ -282,11 +293,11 @@ class MeshComm:
         alpha, beta = self.ring[axis]
         alpha, beta = fa * alpha, beta / fb
         if kind in ("all_gather", "reduce_scatter"):
-            return (p - 1) * (alpha + nbytes / (p * beta))
+            return self.call_s + (p - 1) * (alpha + nbytes / (p * beta))
         if kind == "all_reduce":
-            return 2 * (p - 1) * (alpha + nbytes / (p * beta))
+            return self.call_s + 2 * (p - 1) * (alpha + nbytes / (p * beta))
         if kind == "all_to_all":
-            return sum(fa * a + fb * nbytes / (p * p * b) for a, b in self.rounds[axis])
+            return self.call_s + sum(fa * a + fb * nbytes / (p * p * b) for a, b in self.rounds[axis])
         raise ValueError(f"unknown collective '{kind}'")
 
     @staticmethod
