@@ -54,6 +54,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "local_sgd": {"strategy": {"name": "local_sgd", "local_steps": 8}},
     "ashl+topk": {"strategy": {"name": "ashl"},
                   "train": {"compression": "topk", "compression_options": {"ratio": 0.01}}},
+    "ashl+topk+local": {"strategy": {"name": "ashl"},
+                        "train": {"compression": "topk", "compression_options": {"ratio": 0.01},
+                                  "local_residual": True}},
     "ashl+topk+pulls": {"strategy": {"name": "ashl"},
                         "train": {"compression": "topk", "compression_options": {"ratio": 0.01},
                                   "compress_pulls": True}},
@@ -62,7 +65,8 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "ashl+qsgd": {"strategy": {"name": "ashl"}, "train": {"compression": "qsgd"}},
 }
 QUICK = ("ashl", "adsp", "ssp", "asp", "ddp", "local_sgd", "ashl+topk")
-GPT_STRATEGIES = ("ashl", "adsp", "ssp", "asp", "ddp", "local_sgd", "ashl+topk")
+GPT_STRATEGIES = ("ashl", "adsp", "ssp", "asp", "ddp", "local_sgd", "ashl+topk",
+                  "ashl+topk+local")
 
 
 def _merge(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -171,6 +175,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "acc_topk10_minus_ashl": ("ashl+topk10", "ashl", "final_accuracy"),
             "bytes_ashl_over_topk_pulls": ("ashl", "ashl+topk+pulls", "bytes_total"),
             "acc_topk_minus_ashl": ("ashl+topk", "ashl", "final_accuracy"),
+            "acc_topk_local_minus_ashl": ("ashl+topk+local", "ashl", "final_accuracy"),
             "acc_topk_pulls_minus_ashl": ("ashl+topk+pulls", "ashl", "final_accuracy"),
         }.items():
             vals = per_seed(a, b, key)

@@ -162,11 +162,11 @@ def test_hung_worker_with_two_shards_is_dropped_after_the_timeout(mnist1d_cnn_sm
 
 
 def test_topk_pushes_on_two_shards_train_and_are_sparse(mnist1d_cnn_small) -> None:
-    """Each block is compressed with its own error feedback (and the worker keeps its unsent
-    progress, ErrorFeedback.local_start): top-10% pushes still train, at about 1/5 of the
-    bytes."""
+    """Each block is compressed with its own error feedback (and, with train.local_residual,
+    the worker keeps its unsent progress per block): top-10% pushes still train, at about 1/5
+    of the bytes."""
     cfg = trio_cfg("cadp", epochs=0.3, ps_shards=2)
-    cfg = cfg.replace(train=replace(cfg.train, compression="topk",
+    cfg = cfg.replace(train=replace(cfg.train, compression="topk", local_residual=True,
                                     compression_options={"ratio": 0.1}))
     r = run_distributed(cfg, run_dir=None, workload=mnist1d_cnn_small)
     s = r.summary

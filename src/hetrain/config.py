@@ -98,6 +98,11 @@ class TrainConfig:
     compress_pulls: bool = False
     """Also compress pulls (PS strategies, simulator): the server sends each worker the
     compressed difference between the global model and the worker's copy."""
+    local_residual: bool = False
+    """Lossy compression with error feedback, delta-mode strategies: the worker trains from
+    the pulled model minus its unsent residual (CSER), not from the pulled model (EF-SGD, which
+    re-learns that progress and counts it twice). Better where workers push often (hetero-8
+    MNIST-1D top-1%), worse where they push a few times a run (benchmarks/results/ashl_*.md)."""
     eval_every_epochs: float = 0.25
     """Evaluate the global model on the test set every this many epochs of samples."""
     threads: int = 1

@@ -92,15 +92,17 @@ class ErrorFeedback:
         return c
 
     def local_start(self, params: Tensor) -> Tensor:
-        """The model a delta-mode worker (update = start - end) should train from: the pulled
-        model minus its own unsent residual, i.e. its own progress kept in its local model.
+        """The model a delta-mode worker (update = start - end) trains from with
+        `train.local_residual`: the pulled model minus its own unsent residual, i.e. its own
+        progress kept in its local model.
 
-        Why: a worker restarted on the pulled model alone re-learns the progress its residual
-        already holds, so the residual double counts it, grows past the update (3-6x its norm
-        with top-1% on the MNIST-1D CNN) and is sent stale. Kept in the local model ("bifurcated
-        local models", CSER, Xie et al. 2020) each push carries C(pulled - end + e) and
-        sent + residual = pulled - end exactly: nothing is counted twice. Not for gradient
-        updates, whose residual is in gradient units, not parameter units.
+        Why: a worker restarted on the pulled model alone (plain EF-SGD) re-learns the progress
+        its residual already holds, so the residual counts it twice and grows past the update
+        (3-6x its norm with top-1% on the MNIST-1D CNN). Kept in the local model ("bifurcated
+        local models", CSER, Xie et al. 2020) sent + residual = pulled - end exactly. The
+        double counting also inflates what reaches the server, which helps where workers push
+        only a few times a run, so neither is always better (benchmarks/results/ashl_*.md).
+        Not for gradient updates, whose residual is in gradient units, not parameter units.
         """
         if self.residual is None or not (self.compressor.lossy and self.compressor.error_feedback):
             return params

@@ -4,9 +4,9 @@ On the wire a push is k values (in the update's dtype) plus k int32 indices, so
 nbytes = k * (element_size + 4); with fp32 values that is 8k bytes against 4n for the dense
 update, a ratio of 2k/n (top-1% moves 50x fewer bytes). What is dropped is not lost: the
 engines wrap every lossy compressor in `ErrorFeedback`, which adds the residual to the next
-update, so every coordinate is eventually sent (EF-SGD, Karimireddy et al. 2019). With local steps
-(delta updates) the worker must also train from `ErrorFeedback.local_start(pulled)`, or it
-re-learns what its residual holds and the residual counts it twice (see there).
+update, so every coordinate is eventually sent (EF-SGD, Karimireddy et al. 2019). With local
+steps (delta updates), `train.local_residual` makes the worker train from
+`ErrorFeedback.local_start(pulled)` instead (see there).
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class Worker:
             self.throttle.hold(self._nbytes + shard_bytes[1], started_s=t)
             pull_s = time.perf_counter() - t
             self.times["comm_s"] += pull_s
-            if self.update == "delta":  # keep my unsent progress (ErrorFeedback.local_start)
+            if self.update == "delta" and self.cfg.train.local_residual:
                 params = torch.cat([fb.local_start(part) for fb, part in
                                     zip(self.feedbacks, self._blocks(params), strict=True)])
             self.replica.load(params, msg["buffers"])

@@ -144,7 +144,7 @@ class Simulator:
             start = t
         times.comm_s += start - t + collective_s
         rep = self.replicas[w]
-        if self.strategy.update == "delta":  # keep its unsent progress (ErrorFeedback.local_start)
+        if self.strategy.update == "delta" and self.p.cfg.train.local_residual:
             params = self.feedback[w].local_start(params)
         rep.load(params, self.server.buffers())
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
