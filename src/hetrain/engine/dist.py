@@ -122,10 +122,16 @@ def _effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workloa
     return cluster, workload
 
 
+def _n_workers(world_size: int, shards: int) -> int:
+    """Ranks 1..n are the workers; the PS shards are the last shards - 1 ranks."""
+    return world_size - shards
+
+
 def _worker_group(world_size: int, shards: int) -> dist.ProcessGroup | None:
     """Every rank must create the worker group of ranks 1..n (a collective over the default
     group); the PS shards n+1.. are not in it."""
-    return dist.new_group(ranks=list(range(1, max(2, world_size - shards + 1))), backend="gloo")
+    return dist.new_group(ranks=list(range(1, _n_workers(world_size, shards) + 1)),
+                          backend="gloo")
 
 
 def check_ps_shards_fit(prep: Prepared) -> None:
@@ -148,14 +154,15 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
              progress: ProgressFn | None = None, cluster: Cluster | None = None,
              workload: Workload | None = None, strategy: Strategy | None = None,
              faults: FaultPlan | None = None, prepared: Any = None) -> RunResult | None:
-    """Run this process's role. Rank 0 returns the RunResult; workers return None."""
+    """Run this process's role. Rank 0 returns the RunResult; workers return None.
+    `prepared` (rank 0) has been through `check_ps_shards_fit` already."""
     _setup_logging()
     if rv.rank == 0:
         prep = prepared
         if prep is None:
             cluster, workload = _effective_inputs(cfg, cluster, workload)
             prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
-        check_ps_shards_fit(prep)
+            check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg.dist.ps_shards
         if rv.world_size != world:
             raise ConfigError(
@@ -170,7 +177,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
             return Coordinator(prep, run_dir, progress, emulation).run()
         finally:
             dist.destroy_process_group()
-    n = rv.world_size - cfg.dist.ps_shards
+    n = _n_workers(rv.world_size, cfg.dist.ps_shards)
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     if rv.rank <= n:  # a PS shard needs no data
         workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
@@ -280,7 +287,8 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
                           progress=progress if rv.rank == 0 else None, cluster=cluster,
                           workload=workload, strategy=strategy, faults=faults)
         if result is None:
-            role = "ps_shard" if rv.rank > rv.world_size - cfg.dist.ps_shards else "worker"
+            n = _n_workers(rv.world_size, cfg.dist.ps_shards)
+            role = "ps_shard" if rv.rank > n else "worker"
             return RunResult(cfg.name, [], {"name": cfg.name, "engine": "dist", "role": role,
                                             "rank": rv.rank, "strategy": cfg.strategy.name,
                                             "final_accuracy": 0.0}, None)

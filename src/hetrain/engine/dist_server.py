@@ -422,8 +422,8 @@ class Coordinator:
             kind, src, obj, _ = self.inbox.next()
             if kind == "msg":
                 self._take_times(src - 1, obj)
-        for rank in self.shard_ranks:  # after the workers, which said bye to them too
-            self.outbox.send({"kind": "stop"}, rank)
+        self._to_shards({"kind": "stop"})  # after the workers, which said bye to them too
+        for rank in self.shard_ranks:
             self.inbox.expect(rank, self.cfg.dist.worker_timeout_s)
         while self.inbox.waiting:
             self.inbox.next()

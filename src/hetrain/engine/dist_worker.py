@@ -146,8 +146,9 @@ class Worker:
             pull_s = time.perf_counter() - t
             self.times["comm_s"] += pull_s
             if self.update == "delta" and self.cfg.train.local_residual:
-                params = torch.cat([fb.local_start(part) for fb, part in
-                                    zip(self.feedbacks, self._blocks(params), strict=True)])
+                params = torch.cat([fb.local_start(part) for fb, part in  # views suffice here
+                                    zip(self.feedbacks, params.split(self.block_sizes),
+                                        strict=True)])
             self.replica.load(params, msg["buffers"])
         else:
             assert self.server is not None

@@ -293,12 +293,14 @@ class MeshComm:
         alpha, beta = self.ring[axis]
         alpha, beta = fa * alpha, beta / fb
         if kind in ("all_gather", "reduce_scatter"):
-            return self.call_s + (p - 1) * (alpha + nbytes / (p * beta))
-        if kind == "all_reduce":
-            return self.call_s + 2 * (p - 1) * (alpha + nbytes / (p * beta))
-        if kind == "all_to_all":
-            return self.call_s + sum(fa * a + fb * nbytes / (p * p * b) for a, b in self.rounds[axis])
-        raise ValueError(f"unknown collective '{kind}'")
+            ring = (p - 1) * (alpha + nbytes / (p * beta))
+        elif kind == "all_reduce":
+            ring = 2 * (p - 1) * (alpha + nbytes / (p * beta))
+        elif kind == "all_to_all":
+            ring = sum(fa * a + fb * nbytes / (p * p * b) for a, b in self.rounds[axis])
+        else:
+            raise ValueError(f"unknown collective '{kind}'")
+        return self.call_s + ring
 
     @staticmethod
     def transition(src: Sbp, dst: Sbp) -> str | None:
