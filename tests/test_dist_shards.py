@@ -163,7 +163,7 @@ def test_hung_worker_with_two_shards_is_dropped_after_the_timeout(mnist1d_cnn_sm
 
 def test_topk_pushes_on_two_shards_train_and_are_sparse(mnist1d_cnn_small) -> None:
     """Each block is compressed with its own error feedback (and, with train.local_residual,
-    the worker keeps its unsent progress per block): top-10% pushes still train, at about 1/5
+    the worker keeps its unsent progress per block): top-10% pushes still train, at about 1/6
     of the bytes."""
     cfg = trio_cfg("cadp", epochs=0.3, ps_shards=2)
     cfg = cfg.replace(train=replace(cfg.train, compression="topk", local_residual=True,
@@ -171,8 +171,8 @@ def test_topk_pushes_on_two_shards_train_and_are_sparse(mnist1d_cnn_small) -> No
     r = run_distributed(cfg, run_dir=None, workload=mnist1d_cnn_small)
     s = r.summary
     assert s["ps_shards"] == 2 and s["lost_workers"] == []
-    for w in s["workers"]:  # 10% of the values + int32 indices: 20% of a dense push, plus
+    for w in s["workers"]:  # 10% of the values + 16-bit gaps: 15% of a dense push, plus
         # the two messages' pickle framing and metadata (about 1 kB each)
-        assert 0.2 * s["model_bytes"] < w["bytes_sent"] / w["pushes"] < 0.3 * s["model_bytes"]
+        assert 0.15 * s["model_bytes"] < w["bytes_sent"] / w["pushes"] < 0.25 * s["model_bytes"]
     losses = _losses(r.rows)
     assert losses[-1] < losses[0] - 0.01, losses
