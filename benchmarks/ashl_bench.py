@@ -10,8 +10,9 @@ without / with top-k) are taken per seed, then summarised the same way.
     .venv/bin/python benchmarks/ashl_bench.py --quick         # one seed, MNIST-1D only
 
 TTA is the virtual time at which test accuracy first reaches the target in `TARGETS` (for the
-GPT: test loss first at or below its target loss); "TTA high" the same for `HIGH_TARGETS`. Bytes are everything on the wire (pushes and
-pulls); "push MB" is the pushes alone (the compressed direction unless pulls are compressed).
+GPT: test loss first at or below its target loss); "TTA high" the same for `HIGH_TARGETS`.
+Bytes are everything on the wire (pushes and pulls); "push MB" is the pushes alone (the
+compressed direction unless pulls are compressed).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ than 8, so geo-16 ends lower in the same epochs)."""
 HIGH_TARGETS: dict[tuple[str, str], float] = {
     ("mnist1d-cnn", "hetero-8"): 0.96, ("mnist1d-cnn", "geo-16"): 0.92,
     ("text-gpt", "hetero-8"): 2.4, ("text-gpt", "geo-16"): 2.65}
-assert all(HIGH_TARGETS[k] < v if k[0] == "text-gpt" else HIGH_TARGETS[k] > v
-           for k, v in TARGETS.items()), "a high target is a higher accuracy / lower loss"
 """Second targets, near the end of the best runs: what the fine stage is for. TTA is read off
 each run's evaluation curve, which the JSON keeps, so other targets can be checked without
 rerunning (`--from-json`)."""
+assert all(HIGH_TARGETS[k] < v if k[0] == "text-gpt" else HIGH_TARGETS[k] > v
+           for k, v in TARGETS.items()), "a high target is a higher accuracy / lower loss"
 
 FASTEST_ALONE = "_fastest_alone"
 _FREQUENT = {"name": "ashl", "ahl_comm_fraction": 0.5, "shl_comm_fraction": 0.5}
@@ -155,6 +156,15 @@ def time_to_target(curve: Curve, workload: str, cluster: str,
     return None
 
 
+def add_ttas(r: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures read off its curve: TTA to both targets, epochs to target, bytes/push."""
+    r["bytes_per_push"] = r["push_bytes"] / max(1, r["pushes"])
+    r["tta_s"] = time_to_target(r["curve"], r["workload"], r["cluster"])
+    r["tta_high_s"] = time_to_target(r["curve"], r["workload"], r["cluster"], HIGH_TARGETS)
+    r["tta_epochs"] = time_to_target(r["curve"], r["workload"], r["cluster"], column=3)
+    return r
+
+
 def _summ(values: list[float | None]) -> dict[str, Any]:
     got = [v for v in values if v is not None]
     if len(got) < len(values) or not got:
@@ -167,18 +177,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (cluster, workload, strategy) medians; per-seed ratios side by side."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
-        r["bytes_per_push"] = r["push_bytes"] / max(1, r["pushes"])
-        r["tta_s"] = time_to_target(r["curve"], r["workload"], r["cluster"])
-        r["tta_high_s"] = time_to_target(r["curve"], r["workload"], r["cluster"], HIGH_TARGETS)
-        r["tta_epochs"] = time_to_target(r["curve"], r["workload"], r["cluster"], column=3)
+        add_ttas(r)
         groups.setdefault((r["cluster"], r["workload"], r["strategy"]), []).append(r)
     table = []
     for (c, w, s), rs in sorted(groups.items()):
         table.append({"cluster": c, "workload": w, "strategy": s, "seeds": len(rs),
                       **{k: _summ([r[k] for r in rs]) for k in (
                           "tta_s", "tta_high_s", "tta_epochs", "final_accuracy", "final_loss",
-                          "bytes_total",
-                          "push_bytes", "hardware_efficiency", "time_s")}})
+                          "bytes_total", "push_bytes", "hardware_efficiency", "time_s")}})
     by_seed = {(r["cluster"], r["workload"], r["strategy"], r["seed"]): r for r in rows}
     ratios = []
     for c, w in sorted({(r["cluster"], r["workload"]) for r in rows}):
@@ -323,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   r["seed"])),
               "summary": summarise(rows)}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(to_markdown(result, command))
-    print(to_markdown(result, command))
+    _write(result, out)
     print(f"wall {result['wall_s']:.0f}s -> {out}.json, {out}.md")
     return 0
 
@@ -337,10 +340,17 @@ def _resummarise(src: Path, out: Path) -> int:
     again = f"python benchmarks/ashl_bench.py --from-json {src} --out {out}"
     if again not in result["command"]:
         result["command"] += f"`, re-summarised by `{again}"
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(to_markdown(result, result["command"]))
-    print(to_markdown(result, result["command"]))
+    _write(result, out)
     return 0
+
+
+def _write(result: dict[str, Any], out: Path) -> None:
+    """out.json (everything, curves included) and out.md (the tables), and print the tables."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    md = to_markdown(result, result["command"])
+    out.with_suffix(".md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

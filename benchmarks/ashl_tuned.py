@@ -22,7 +22,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from ashl_bench import HIGH_TARGETS, TARGETS, WORKLOADS, run_one, time_to_target
+from ashl_bench import HIGH_TARGETS, TARGETS, WORKLOADS, _fmt, _summ, add_ttas, run_one
 
 GRIDS = {"mnist1d-cnn": (0.05, 0.07, 0.1, 0.14), "text-gpt": (1.5e-3, 3e-3, 6e-3)}
 """Learning rates tried (SGD with momentum 0.9 for the CNN, AdamW for the GPT); the middle
@@ -39,9 +39,7 @@ def _score(r: dict[str, Any]) -> tuple[float, float, float]:
 
 
 def _with_ttas(r: dict[str, Any]) -> dict[str, Any]:
-    r["tta_s"] = time_to_target(r["curve"], r["workload"], r["cluster"])
-    r["tta_high_s"] = time_to_target(r["curve"], r["workload"], r["cluster"], HIGH_TARGETS)
-    r.pop("curve")
+    add_ttas(r).pop("curve")  # the curves stay in ashl_bench's results; here only the TTAs
     return r
 
 
@@ -55,17 +53,8 @@ def _run(pool: Any, jobs: list[tuple[str, str, str, int, dict[str, Any]]]) -> li
     return out
 
 
-def _median(values: list[float | None]) -> float | None:
-    return statistics.median(values) if values and None not in values else None
-
-
-def _summ(values: list[float | None]) -> str:
-    got = [v for v in values if v is not None]
-    if not got:
-        return "not reached"
-    if len(got) < len(values):
-        return f"{len(values) - len(got)} not reached; others {min(got):.2f}..{max(got):.2f}"
-    return f"{statistics.median(got):.2f} [{min(got):.2f}..{max(got):.2f}]"
+def _cell(values: list[float | None]) -> str:
+    return _fmt(_summ(values))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +123,7 @@ def to_markdown(res: dict[str, Any]) -> str:
             for lr in res["lrs"]:
                 rs = [r for r in res["sweep"] if (r["cluster"], r["strategy"], r["lr"])
                       == (c, s, lr)]
-                cells.append(_summ([r["tta_s"] for r in rs]))
+                cells.append(_cell([r["tta_s"] for r in rs]))
             lines.append(f"| {s} | " + " | ".join(cells) + f" | {res['picked_lr'][f'{c}/{s}']:g} |")
         lines += ["", "Phase 2, held-out seeds, each strategy at its picked learning rate:", "",
                   f"| strategy | lr | TTA s | TTA high s | {final_key.replace('_', ' ')} |",
@@ -143,9 +132,9 @@ def to_markdown(res: dict[str, Any]) -> str:
         for s in strategies:
             rs = [r for (st, _), r in held.items() if st == s]
             lines.append(f"| {s} | {res['picked_lr'][f'{c}/{s}']:g} | "
-                         f"{_summ([r['tta_s'] for r in rs])} | "
-                         f"{_summ([r['tta_high_s'] for r in rs])} | "
-                         f"{_summ([r[final_key] for r in rs])} |")
+                         f"{_cell([r['tta_s'] for r in rs])} | "
+                         f"{_cell([r['tta_high_s'] for r in rs])} | "
+                         f"{_cell([r[final_key] for r in rs])} |")
         lines += ["", "Per held-out seed:", ""]
         for a, b in (("adsp", "ashl"), ("fastest-alone", "ashl"), ("fastest-alone", "adsp")):
             for key, what in (("tta_s", "TTA"), ("tta_high_s", "TTA high")):
@@ -156,7 +145,7 @@ def to_markdown(res: dict[str, Any]) -> str:
                         continue
                     ratios.append(ra[key] / rb[key] if ra[key] and rb[key] else None)
                 if ratios:
-                    lines.append(f"- {what} {a} / {b}: {_summ(ratios)}")
+                    lines.append(f"- {what} {a} / {b}: {_cell(ratios)}")
         lines.append("")
     return "\n".join(lines) + "\n"
 
