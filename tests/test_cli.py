@@ -45,6 +45,18 @@ def test_run_tiny_config_then_report(tmp_path: Path) -> None:
     assert (tmp_path / "rep" / "utilisation.png").stat().st_size > 1000
 
 
+def test_compare_with_the_fastest_device_alone(tmp_path: Path) -> None:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    r = hetrain("run", "tiny.toml", "--compare", "fastest-alone", "--json", "--no-plot",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cluster_run, alone = json.loads(r.stdout)
+    assert (cluster_run["strategy"], alone["strategy"]) == ("local_sgd", "ddp")
+    assert alone["cluster"] == "hetero-4-fastest" and len(alone["workers"]) == 1
+    assert alone["bytes_total"] == 0 and cluster_run["bytes_total"] > 0
+    assert alone["epochs"] >= 1.0 and cluster_run["epochs"] >= 1.0  # the same stopping rule
+
+
 def test_progress_is_shown_unless_quiet(tmp_path: Path) -> None:
     (tmp_path / "tiny.toml").write_text(TINY)
     loud = hetrain("run", "tiny.toml", "--no-plot", "--set", "stop.max_epochs=0.3", cwd=tmp_path)

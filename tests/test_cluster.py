@@ -21,6 +21,14 @@ def test_presets_shapes_and_speeds() -> None:
     assert preset("geo-16").n == 16 and preset("homo-4").ddp_efficiency_bound() == 1.0
 
 
+def test_fastest_alone_is_the_fastest_device_next_to_the_ps() -> None:
+    geo = preset("geo-16")
+    alone = geo.fastest_alone()
+    assert alone.n == 1 and alone.devices[0].flops == max(d.flops for d in geo.devices)
+    assert alone.ps_site == alone.devices[0].site != geo.ps_site  # geo-16's fastest is remote
+    assert load_cluster(alone.to_dict()) == alone
+
+
 def test_links_in_series_and_paths() -> None:
     h8 = preset("hetero-8")
     same = h8.link_between(0, 2)

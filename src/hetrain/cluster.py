@@ -200,6 +200,13 @@ class Cluster:
         devices[i] = replace(devices[i], **changes)
         return replace(self, devices=tuple(devices))
 
+    def fastest_alone(self) -> Cluster:
+        """The fastest device (most FLOP/s) on its own, next to the PS: the single-device
+        baseline a distributed run on this cluster has to beat to be worth its devices."""
+        fastest = max(self.devices, key=lambda d: d.flops)
+        return Cluster(f"{self.name}-fastest", (fastest,), self.sites, ps_site=fastest.site,
+                       ps_nic=self.ps_nic, ps_message_s=self.ps_message_s)
+
     # ---- TOML -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         def clean(d: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from hetrain.cli.output import Output
+from hetrain.cluster import load_cluster
 from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
@@ -24,6 +25,10 @@ from hetrain.strategies import REGISTRY
 
 DEMO_STRATEGIES = ("ddp", "local_sgd", "cadp", "ashl")
 """Strategies the demo compares side by side (those registered in this build)."""
+FASTEST_ALONE = "fastest-alone"
+"""`--compare` name of the reference run: the cluster's fastest device training by itself
+(plain DDP on one device, so no communication). A cluster is worth its slower devices only
+where it beats this; the demo always shows it."""
 
 
 def demo_config() -> RunConfig:
@@ -43,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "(hetero-8 preset, MNIST-1D CNN, strategies side by side).")
     p.add_argument("config", nargs="?", help="run config TOML (see README: config reference)")
     p.add_argument("--compare", default="", metavar="S1,S2",
-                   help="also run these strategies (default options) on the same config")
+                   help="also run these strategies (default options) on the same config; "
+                   f"'{FASTEST_ALONE}': the cluster's fastest device by itself")
     p.add_argument("--engine", choices=("sim", "dist"), help="override the config's engine")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stop.max_epochs=2 (TOML value)")
@@ -79,12 +85,22 @@ def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
     names = [s.strip() for s in compare.split(",") if s.strip()]
     out = [cfg]
     for name in names:
+        if name == FASTEST_ALONE:
+            out.append(fastest_alone(cfg))
+            continue
         if name not in REGISTRY:
             raise ConfigError(f"--compare: unknown strategy '{name}'; choose from "
-                              f"{', '.join(sorted(REGISTRY))}")
+                              f"{', '.join(sorted(REGISTRY))}, {FASTEST_ALONE}")
         out.append(dataclasses.replace(cfg, name=f"{cfg.name}-{name}",
                                        strategy=StrategyConfig(name, {})))
     return out
+
+
+def fastest_alone(cfg: RunConfig) -> RunConfig:
+    """`cfg` on the cluster's fastest device alone (ddp on one device: no communication)."""
+    cluster = load_cluster(cfg.cluster).fastest_alone()
+    return dataclasses.replace(cfg, name=f"{cfg.name}-{FASTEST_ALONE}", cluster=cluster.to_dict(),
+                               strategy=StrategyConfig("ddp", {}))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,6 +113,8 @@ def main(args: argparse.Namespace) -> int:
         configs = [dataclasses.replace(base, name=f"{base.name}-{s}", strategy=StrategyConfig(s))
                    for s in DEMO_STRATEGIES if s in REGISTRY]
         configs += _variants(base, args.compare)[1:]
+        if FASTEST_ALONE not in args.compare:
+            configs.append(fastest_alone(base))
     if args.engine:
         configs = [dataclasses.replace(c, engine=args.engine) for c in configs]
     results: list[RunResult] = []
