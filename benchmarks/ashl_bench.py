@@ -64,6 +64,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "asp": {"strategy": {"name": "asp"}},
     "ddp": {"strategy": {"name": "ddp"}},
     "local_sgd": {"strategy": {"name": "local_sgd", "local_steps": 8}},
+    "cadp": {"strategy": {"name": "cadp"}},
     "ashl+topk": {"strategy": {"name": "ashl"},
                   "train": {"compression": "topk", "compression_options": {"ratio": 0.01}}},
     "ashl+topk+local": {"strategy": {"name": "ashl"},
@@ -106,7 +107,7 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     """One simulated run -> the figures the tables need (runs in a pool worker)."""
     import torch
 
-    from hetrain.cluster import Cluster, load_cluster
+    from hetrain.cluster import load_cluster
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
@@ -115,16 +116,13 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     spec = _merge({"name": f"{cluster}-{workload}-{label}-s{seed}", "cluster": cluster},
                   WORKLOADS[workload], STRATEGIES[label], {"train": {"seed": seed}}, overrides)
     if spec.pop(FASTEST_ALONE, False):
-        whole = load_cluster(cluster)
-        fastest = max(whole.devices, key=lambda d: d.flops)
-        spec["cluster"] = Cluster(f"{cluster}-fastest", (fastest,), whole.sites,
-                                  ps_site=fastest.site, ps_nic=whole.ps_nic).to_dict()
+        spec["cluster"] = load_cluster(cluster).fastest_alone().to_dict()
     t0 = time.perf_counter()
     cfg = config_from_dict(spec)
     result = run_config(cfg, runs_root=None)
     s, rows = result.summary, result.rows
     return {"cluster": cluster, "workload": workload, "strategy": label, "seed": seed,
-            "lr": cfg.optimizer.lr,
+            "lr": cfg.optimizer.lr, "strategy_options": spec["strategy"],
             "tta_s": s["tta_s"], "time_s": s["time_s"], "final_accuracy": s["final_accuracy"],
             "best_accuracy": s["best_accuracy"], "final_loss": s["final_loss"],
             "bytes_total": s["bytes_total"],
