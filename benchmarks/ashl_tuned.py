@@ -135,7 +135,7 @@ def _cell(values: list[float | None]) -> str:
     return _fmt(_summ(values))
 
 
-def _median_score(rs: list[dict[str, Any]]) -> tuple[float, ...]:
+def _rank(rs: list[dict[str, Any]]) -> tuple[float, ...]:
     """A setting's rank over the selection seeds, lower is better: first how many seeds miss
     the target, then the high one (a setting that diverges on one seed in three is not
     picked for its fast median), then the median scores."""
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with get_context("spawn").Pool(args.jobs) as pool:
         sweep = _run(pool, jobs(args.select_seeds, space))
-        picked = {key: min(settings, key=lambda st, key=key: _median_score(
+        picked = {key: min(settings, key=lambda st, key=key: _rank(
                       [r for r in sweep if (r["cluster"], r["strategy"]) == key
                        and r["setting"] == st]))
                   for key, settings in space.items()}
@@ -208,8 +208,9 @@ def to_markdown(res: dict[str, Any]) -> str:
              f"{w}, {epochs:g} epochs; learning rates "
              f"{', '.join(f'{x:g}' for x in res['lrs'])}{searched} (each "
              "strategy over the options it has); picked on seeds "
-             f"{res['select_seeds']} (fewest seeds missing a target, then lowest median TTA, TTA high, final figure), "
-             f"reported on held-out seeds {res['eval_seeds']}. Median [min..max].", ""]
+             f"{res['select_seeds']} (fewest seeds missing a target, then lowest median TTA, "
+             f"TTA high, final figure), reported on held-out seeds {res['eval_seeds']}. "
+             "Median [min..max].", ""]
     for c in res["clusters"]:
         t, hi = TARGETS[(w, c)], HIGH_TARGETS[(w, c)]
         lines += [f"## {c} (TTA target {t}, high target {hi})", "",
@@ -219,8 +220,10 @@ def to_markdown(res: dict[str, Any]) -> str:
         strategies = sorted({r["strategy"] for r in res["sweep"] if r["cluster"] == c})
         for s in strategies:
             mine = [r for r in res["sweep"] if (r["cluster"], r["strategy"]) == (c, s)]
-            settings = [st for i, st in enumerate(map(_setting_of, mine))
-                        if st not in list(map(_setting_of, mine))[:i]]
+            settings: list[Setting] = []
+            for st in map(_setting_of, mine):
+                if st not in settings:
+                    settings.append(st)
             for st in settings:
                 rs = [r for r in mine if _setting_of(r) == st]
                 mark = "yes" if st == picked[f"{c}/{s}"] else ""
