@@ -77,7 +77,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                     "train": {"compression": "topk", "compression_options": {"ratio": 0.1}}},
     "ashl+qsgd": {"strategy": {"name": "ashl"}, "train": {"compression": "qsgd"}},
     # the reference a user should beat: the cluster's fastest device training alone (plain
-    # SGD, the same batch); run_one swaps the cluster for that one device
+    # SGD, the same batch); run_one makes it with hetrain.cli.run.fastest_alone
     "fastest-alone": {"strategy": {"name": "ddp"}, FASTEST_ALONE: True},
     # where latency makes ASHL's rounds long (geo-16: a dozen pushes per worker a run), 1% of
     # an update per push cannot carry the progress: commit more often, with and without top-k
@@ -107,7 +107,7 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     """One simulated run -> the figures the tables need (runs in a pool worker)."""
     import torch
 
-    from hetrain.cluster import load_cluster
+    from hetrain.cli.run import fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
@@ -115,14 +115,15 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     cluster, workload, label, seed, overrides = job
     spec = _merge({"name": f"{cluster}-{workload}-{label}-s{seed}", "cluster": cluster},
                   WORKLOADS[workload], STRATEGIES[label], {"train": {"seed": seed}}, overrides)
-    if spec.pop(FASTEST_ALONE, False):
-        spec["cluster"] = load_cluster(cluster).fastest_alone().to_dict()
+    alone = spec.pop(FASTEST_ALONE, False)
     t0 = time.perf_counter()
     cfg = config_from_dict(spec)
+    if alone:
+        cfg = fastest_alone(cfg)
     result = run_config(cfg, runs_root=None)
     s, rows = result.summary, result.rows
     return {"cluster": cluster, "workload": workload, "strategy": label, "seed": seed,
-            "lr": cfg.optimizer.lr, "strategy_options": spec["strategy"],
+            "lr": cfg.optimizer.lr,
             "tta_s": s["tta_s"], "time_s": s["time_s"], "final_accuracy": s["final_accuracy"],
             "best_accuracy": s["best_accuracy"], "final_loss": s["final_loss"],
             "bytes_total": s["bytes_total"],

@@ -36,19 +36,20 @@ and learning rate): the baseline a heterogeneous cluster has to beat to be worth
 def one_run(job: tuple[str, str, dict[str, Any], int, float, float]) -> dict[str, Any]:
     import torch
 
-    from hetrain.cluster import load_cluster
+    from hetrain.cli.run import FASTEST_ALONE, fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
     torch.set_num_threads(1)
     preset, strategy, options, seed, epochs, target = job
-    alone = strategy == "fastest-alone"
+    alone = strategy == FASTEST_ALONE
     cfg = config_from_dict({
-        "name": f"{preset}-{strategy}-s{seed}",
-        "cluster": load_cluster(preset).fastest_alone().to_dict() if alone else preset,
+        "name": f"{preset}-{strategy}-s{seed}", "cluster": preset,
         "workload": {"model": "cnn", "dataset": "mnist1d"},
         "strategy": {"name": "ddp" if alone else strategy, **options}, "train": {"seed": seed},
         "stop": {"max_epochs": epochs, "target_accuracy": target}})
+    if alone:
+        cfg = fastest_alone(cfg)
     r = run_config(cfg, runs_root=None)
     s = r.summary
     last_epoch = [row["test_accuracy"] for row in r.rows if row["epoch"] > epochs - 1 + 1e-9]

@@ -81,8 +81,12 @@ def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
     return config_from_dict(data)
 
 
+def _compare_names(compare: str) -> list[str]:
+    return [s.strip() for s in compare.split(",") if s.strip()]
+
+
 def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
-    names = [s.strip() for s in compare.split(",") if s.strip()]
+    names = _compare_names(compare)
     out = [cfg]
     for name in names:
         if name == FASTEST_ALONE:
@@ -113,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
         configs = [dataclasses.replace(base, name=f"{base.name}-{s}", strategy=StrategyConfig(s))
                    for s in DEMO_STRATEGIES if s in REGISTRY]
         configs += _variants(base, args.compare)[1:]
-        if FASTEST_ALONE not in args.compare:
+        if FASTEST_ALONE not in _compare_names(args.compare):
             configs.append(fastest_alone(base))
     if args.engine:
         configs = [dataclasses.replace(c, engine=args.engine) for c in configs]
