@@ -35,11 +35,14 @@ class AsyncSGD(Strategy):
     comm = "ps"
     update = "gradient"
 
+    weight: float = 1.0
+    """Weight of one gradient in the server step."""
+
     def next_task(self, worker: int) -> WorkTask:
         return WorkTask(batch_size=self.context.batch_size)
 
     def on_push(self, push: Push) -> Decision:
-        return Decision(apply=((push.worker, 1.0),), release=(push.worker,))
+        return Decision(apply=((push.worker, self.weight),), release=(push.worker,))
 
 
 def make_cfg(strategy: str = "ddp", epochs: float = 0.1, **dist: Any) -> RunConfig:
@@ -83,8 +86,10 @@ def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small)
 
 def test_ps_strategy_emulates_speeds(mnist1d_cnn_small) -> None:
     """Asynchronous SGD on devices 1:2: the fast worker does about twice the tasks."""
+    # weight 1/n, as hetrain's asp: at full weight (two stale gradients per server step at
+    # lr 0.05 with momentum) the loss spiked above its start when CI's load reordered pushes
     r = run_distributed(make_cfg("test_async", epochs=0.3, time_scale=0.5), run_dir=None,
-                        strategy=AsyncSGD(), workload=mnist1d_cnn_small)
+                        strategy=AsyncSGD(weight=0.5), workload=mnist1d_cnn_small)
     slow, fast = r.summary["workers"]
     assert 1.6 < fast["pushes"] / slow["pushes"] < 2.5, r.summary["workers"]
     losses = [row["test_loss"] for row in r.rows if row.get("test_loss") is not None]
