@@ -22,3 +22,12 @@ def mnist1d_cnn_small():
     from hetrain.workloads import get_workload
 
     return get_workload("cnn", "mnist1d", dataset_options={"num_samples": 4000})
+
+
+@pytest.fixture(scope="session")
+def mnist1d_cnn():
+    """MNIST-1D CNN at its default size (16000 training samples): an epoch long enough that a
+    geo-16 worker's one-step round fits in a quarter of it (~6 s to generate)."""
+    from hetrain.workloads import get_workload
+
+    return get_workload("cnn", "mnist1d")

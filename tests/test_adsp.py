@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from hetrain.cluster import BASE_FLOPS, preset
@@ -39,9 +41,10 @@ def test_commit_counts_stay_balanced_across_1_to_8_speeds():
     assert r.summary["strategy_stats"]["commit_balance"] >= 0.95
 
 
-def ctx() -> RunContext:
+def ctx(train_samples: int = 100_000) -> RunContext:
+    """An epoch of ~33 s: the 1 s check periods below are far inside the commit cap."""
     return RunContext(cluster=one_to_eight(), flops_per_sample=1e6, model_bytes=10_000,
-                      sample_bytes=64, train_samples=1000, batch_size=16, lr=0.05)
+                      sample_bytes=64, train_samples=train_samples, batch_size=16, lr=0.05)
 
 
 def feed_period(s, start_s: float, loss: float) -> None:
@@ -79,9 +82,76 @@ def test_bad_options_are_config_errors():
         make_strategy("adsp", momentum=1.0)
     with pytest.raises(ConfigError, match="weighting"):
         make_strategy("adsp", weighting="equal")
+    for bad in (-0.5, math.inf, False):
+        with pytest.raises(ConfigError, match="min_commits_per_epoch"):
+            make_strategy("adsp", min_commits_per_epoch=bad)
 
 
 def test_adsp_converges_on_digits():
     r = run_digits()
     assert r.rows[0]["test_accuracy"] < 0.3
     assert r.final_accuracy > 0.85
+
+
+def test_commit_rate_search_never_goes_below_the_commit_cap():
+    """A 2000-sample epoch at these speeds takes 2000 / 3600 samples/s = 0.556 s: 4 commits per
+    epoch need one every 0.139 s, i.e. at least 8 per 1 s period. Rewards that walk the
+    uncapped search down to 1 commit per period stop it at 8."""
+    histories = {}
+    for m in (0, 4):
+        s = make_strategy("adsp", check_period_s=1.0, commits_init=8, momentum=0.5,
+                          min_commits_per_epoch=m)
+        s.setup(ctx(train_samples=2000))
+        for k, loss in enumerate([5.0, 4.0, 3.9, 3.7, 3.4, 3.0, 2.5, 2.4]):
+            feed_period(s, float(k), loss)
+        histories[m] = s.history
+    assert histories[0] == [8, 8, 9, 8, 7, 5, 3, 1]
+    assert histories[4] == [8, 8, 9, 8, 8, 8, 8, 8]
+    assert s.round_cap_s == pytest.approx(2000 / 3600 / 4) and s.c_min == 8
+    assert s.stats()["floored_periods"] == 4
+    for w in range(4):
+        round_s = s.costs.comm_s[w] + s.local_target(w) * s.costs.step_s[w]
+        assert round_s <= s.round_cap_s
+
+
+def test_a_slow_link_caps_its_workers_local_steps():
+    """geo-16, the paper's speed-proportional plan (commit time not subtracted): the search's
+    floor keeps G / C under the cap, and each worker's own round c_i + tau_i s_i is cut to it
+    as well (one step where even that does not fit)."""
+    c = RunContext(cluster=preset("geo-16"), flops_per_sample=1e6, model_bytes=50_000,
+                   sample_bytes=160, train_samples=10_000, batch_size=32, lr=0.05)
+    free = make_strategy("adsp", min_commits_per_epoch=0)
+    free.setup(c)
+    s = make_strategy("adsp")
+    s.setup(c)
+    cap = s.round_cap_s
+    assert s.period_s / free.commits > cap  # uncapped: fewer than 4 commits per epoch
+    assert s.commits == s.c_min == math.ceil(s.period_s / cap) and s.period_s / s.commits <= cap
+    clipped = 0
+    for w in range(16):
+        comm, step = s.costs.comm_s[w], s.costs.step_s[w]
+        tau = s.local_target(w)
+        assert tau == max(1.0, min(s.period_s / s.commits, cap - comm) / step)
+        assert comm + tau * step <= cap or tau == 1.0
+        clipped += tau < s.period_s / s.commits / step
+        s.next_task(w)
+    assert clipped == s.stats()["capped_tasks"] >= 4
+
+
+def test_every_worker_commits_four_times_per_epoch_on_geo16(mnist1d_cnn):
+    """ADSP on geo-16 with the MNIST-1D CNN: uncapped, the workers on the far sites commit 3
+    times in the epoch; capped, everyone commits at least 4 times."""
+    def run(**options):
+        cfg = config_from_dict({"name": "t-geo-adsp", "cluster": "geo-16",
+                                "workload": {"model": "cnn", "dataset": "mnist1d"},
+                                "strategy": {"name": "adsp", **options},
+                                "train": {"batch_size": 32, "eval_every_epochs": 1.0, "seed": 7},
+                                "stop": {"max_epochs": 1.0}})
+        s = run_config(cfg, runs_root=None, workload=mnist1d_cnn).summary
+        return s, [w["pushes"] / s["epochs"] for w in s["workers"]]
+
+    _, free = run(min_commits_per_epoch=0)
+    assert min(free) < 4
+    s, capped = run()
+    assert s["epochs"] >= 1.0 and min(capped) >= 4, [w["pushes"] for w in s["workers"]]
+    assert s["strategy_stats"]["commits_min"] > 1

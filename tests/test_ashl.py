@@ -4,6 +4,7 @@ measured-profile path, and convergence on digits in the simulator."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from hetrain.cluster import preset
 from hetrain.config import config_from_dict
 from hetrain.errors import ConfigError
-from hetrain.profile import Profile
+from hetrain.profile import Profile, plan_for_comm_fraction, plan_for_fastest
 from hetrain.runner import run_config
 from hetrain.strategies import Push, RunContext, make_strategy
 from hetrain.strategies.ashl import PlateauSwitch
@@ -131,6 +132,9 @@ def test_bad_options_are_config_errors():
         make_strategy("ashl", ahl_comm_fraction=0.0)
     with pytest.raises(ConfigError, match="switch_patience"):
         make_strategy("ashl", switch_patience=0)
+    for bad in (-1.0, math.nan, True, "4"):
+        with pytest.raises(ConfigError, match="min_commits_per_epoch"):
+            make_strategy("ashl", min_commits_per_epoch=bad)
 
 
 def test_ashl_converges_on_digits():
@@ -144,3 +148,95 @@ def test_ashl_converges_on_digits():
     assert r.final_accuracy > 0.85
     stats = r.summary["strategy_stats"]
     assert stats["ahl_pushes"] > 0 and not math.isnan(r.summary["final_loss"])
+
+
+def epoch_at_full_speed_s(c: RunContext) -> float:
+    """train_samples / the devices' summed samples/s, priced here from the Cluster's numbers."""
+    return c.train_samples / sum(
+        c.batch_size / (d.step_overhead_s + c.batch_size * c.flops_per_sample / d.flops)
+        for d in c.cluster.devices)
+
+
+def test_commit_cap_bounds_the_round_time_on_geo16():
+    """geo-16's WAN links plan a 1.38 s AHL round; an epoch at full speed is ~1.04 s, so
+    uncapped every worker commits < 1 time per epoch. The cap (epoch / 4) cuts T to 0.26 s and
+    each worker fills it as the planner does, H_i = max(1, (T - c_i) / s_i)."""
+    c = ctx("geo-16")
+    free = make_strategy("ashl", min_commits_per_epoch=0)
+    free.setup(c)
+    capped = make_strategy("ashl")
+    capped.setup(c)
+    cap = epoch_at_full_speed_s(c) / 4
+    assert cap == pytest.approx(0.2607, abs=1e-3)
+    assert free.plan.round_time_s > 4 * cap and not free.plan.capped
+    assert capped.plan.capped and capped.plan.round_time_s == pytest.approx(cap, rel=1e-12)
+    workers = Profile.from_context(c).workers
+    for w, target, steps in zip(workers, capped.plan.targets, capped.plan.local_steps,
+                                strict=True):
+        assert target == pytest.approx(max(1.0, (cap - w.comm_time_s) / w.step_time_s))
+        assert w.comm_time_s + target * w.step_time_s <= cap * (1 + 1e-9)
+        assert 1 <= steps <= 10
+    assert max(free.plan.local_steps) == 60 and max(capped.plan.local_steps) == 10
+    stats = capped.stats()
+    assert stats["round_capped"] == 1 and stats["round_cap_s"] == pytest.approx(cap)
+    assert free.stats()["round_capped"] == 0 and free.stats()["round_cap_s"] == 0.0
+    # the SHL plan and the fastest-steps plans are capped alike
+    fast = make_strategy("ashl", ahl_fastest_steps=200)
+    fast.setup(c)
+    assert fast.plan.capped and fast.plan.round_time_s == pytest.approx(cap, rel=1e-12)
+
+
+def test_a_link_slower_than_the_cap_runs_one_step_and_a_loose_cap_changes_nothing():
+    short = dataclasses.replace(ctx("geo-16"), train_samples=2000)  # cap ~0.052 s
+    s = make_strategy("ashl")
+    s.setup(short)
+    cap = epoch_at_full_speed_s(short) / 4
+    workers = Profile.from_context(short).workers
+    slow_links = [i for i, w in enumerate(workers) if w.comm_time_s >= cap]
+    assert slow_links == list(range(8, 16))  # europe's and asia's 40 / 60 ms links
+    for i, w in enumerate(workers):
+        if i in slow_links:
+            assert s.plan.targets[i] == 1.0 and s.plan.local_steps[i] == 1
+        elif w.comm_time_s + w.step_time_s <= cap:  # one step fits: fill the cap
+            assert w.comm_time_s + s.plan.targets[i] * w.step_time_s == pytest.approx(cap)
+        else:  # a slow device on a fast link: one step too
+            assert s.plan.targets[i] == 1.0
+    assert s.plan.local_steps == (1,) * 16
+    # a cap above the planned round: the very same plan, float for float
+    long = dataclasses.replace(ctx("geo-16"), train_samples=100_000)
+    loose, free = make_strategy("ashl"), make_strategy("ashl", min_commits_per_epoch=0)
+    loose.setup(long)
+    free.setup(long)
+    assert loose.plan == free.plan and not loose.plan.capped
+    p = Profile.from_context(long)
+    for plan in (plan_for_comm_fraction, plan_for_fastest):
+        arg = 0.1 if plan is plan_for_comm_fraction else 40
+        assert plan(p, arg, max_round_time_s=1e9) == plan(p, arg)
+        tight = plan(p, arg, max_round_time_s=0.5)
+        assert tight.capped and tight.round_time_s == 0.5 > plan(p, arg).round_time_s / 3
+
+
+def geo16_run(name: str, workload, **options):
+    cfg = config_from_dict({"name": f"t-geo-{name}", "cluster": "geo-16",
+                            "workload": {"model": "cnn", "dataset": "mnist1d"},
+                            "strategy": {"name": name, **options},
+                            "train": {"batch_size": 32, "eval_every_epochs": 1.0, "seed": 7},
+                            "stop": {"max_epochs": 1.0}})
+    return run_config(cfg, runs_root=None, workload=workload).summary
+
+
+def commits_per_epoch(summary) -> list[float]:
+    return [w["pushes"] / summary["epochs"] for w in summary["workers"]]
+
+
+def test_every_worker_commits_four_times_per_epoch_on_geo16(mnist1d_cnn):
+    """The issue's case: ashl on geo-16 with the MNIST-1D CNN. Uncapped, the AHL plan runs
+    8-63 local steps per commit and the workers commit 1-2 times in the epoch; capped, every
+    worker commits at least 4 times."""
+    free = geo16_run("ashl", mnist1d_cnn, min_commits_per_epoch=0)
+    assert min(commits_per_epoch(free)) < 2
+    s = geo16_run("ashl", mnist1d_cnn)
+    assert s["epochs"] >= 1.0
+    assert min(commits_per_epoch(s)) >= 4, [w["pushes"] for w in s["workers"]]
+    assert s["strategy_stats"]["capped_plans"] > 0
+    assert s["unsent_samples"] == sum(w["unsent_samples"] for w in s["workers"]) > 0

@@ -75,9 +75,11 @@ def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small)
     assert (tmp_path / cfg.name / "metrics.jsonl").read_text().count("\n") >= 2
     assert all(w["busy_s"] > 0 for w in s["workers"])
     assert sum(w["pushes"] for w in s["workers"]) >= s["updates"]
+    assert s["unsent_samples"] == sum(w["unsent_samples"] for w in s["workers"]) >= 0
     if REGISTRY[name].comm == "allreduce":
         # Same Server, DataOwner and weights as the simulator: the same model comes out.
         assert s["updates"] == sim["updates"]
+        assert s["unsent_samples"] == sim["unsent_samples"]
         assert s["final_accuracy"] == pytest.approx(sim["final_accuracy"], abs=2e-3)
     else:  # timing decides the order of pushes, so only the amount of work is comparable
         assert s["updates"] >= max(1, sim["updates"] // 2)
@@ -102,6 +104,10 @@ def test_killed_worker_does_not_lose_async_run(tmp_path, mnist1d_cnn_small) -> N
     assert r.summary["lost_workers"] == [0]
     assert r.summary["workers"][0]["pushes"] == 3
     assert r.summary["epochs"] >= 0.1 - 1e-9  # the other worker finished the run
+    # the lost worker's 4th task (one batch of 32) never reached the model; the other's last
+    # push was applied and ended the run
+    assert [w["unsent_samples"] for w in r.summary["workers"]] == [32, 0]
+    assert r.summary["unsent_samples"] == 32
 
 
 def test_synchronous_run_stops_with_checkpoint_and_resumes_to_same_model(

@@ -160,3 +160,52 @@ def test_files_are_written(tmp_path, digits_mlp) -> None:
     assert len(lines) == len(r.rows) >= 2
     assert (run_dir / "summary.json").is_file()
     assert r.summary["tta_s"] is not None and r.summary["tta_s"] <= r.summary["time_s"]
+
+
+@dataclass
+class PairPS(Strategy):
+    """Applies each worker's pushes two at a time (the first waits, buffered, for the second)
+    and never holds a worker: a run stops with work both in flight and buffered. Counts what
+    it hands out and applies per worker, for the unsent-work test."""
+
+    name = "test_pair_ps"
+    comm = "ps"
+    update = "delta"
+
+    def setup(self, ctx: RunContext) -> None:
+        super().setup(ctx)
+        n = ctx.n_workers
+        self.held: list[list[int]] = [[] for _ in range(n)]
+        self.handed, self.applied = [0] * n, [0] * n
+
+    def next_task(self, worker: int) -> WorkTask:
+        task = WorkTask(batch_size=8 * (worker + 1), local_steps=1 + worker % 3)
+        self.handed[worker] += task.samples
+        return task
+
+    def on_push(self, push: Push) -> Decision:
+        w, held = push.worker, self.held[push.worker]
+        held.append(push.samples)
+        if len(held) < 2:
+            return Decision(release=(w,))
+        self.applied[w] += sum(held)
+        held.clear()
+        weight = 0.5 / self.context.n_workers
+        return Decision(apply=((w, weight), (w, weight)), release=(w,))
+
+
+def test_unsent_samples_are_the_samples_drawn_minus_the_samples_applied(digits_mlp) -> None:
+    from hetrain.engine.setup import prepare
+    from hetrain.engine.sim import Simulator
+
+    strategy = PairPS()
+    sim = Simulator(prepare(_cfg("ddp", stop={"max_epochs": 1.0}), workload=digits_mlp,
+                            strategy=strategy))
+    s = sim.run().summary
+    unsent = [w["unsent_samples"] for w in s["workers"]]
+    assert s["unsent_samples"] == sum(unsent) == sim.owner.samples_taken - sim.applied_samples
+    assert unsent == [h - a for h, a in zip(strategy.handed, strategy.applied, strict=True)]
+    buffered = [sum(h) for h in strategy.held]
+    assert any(buffered) and s["unsent_samples"] > sum(buffered)  # buffered and in flight
+    assert sim.applied_samples == sum(strategy.applied) >= s["config"]["stop"]["max_epochs"] \
+        * sim.p.ctx.train_samples

@@ -105,6 +105,10 @@ class TrainConfig:
     MNIST-1D top-1%), worse where they push a few times a run (benchmarks/results/ashl_*.md)."""
     eval_every_epochs: float = 0.25
     """Evaluate the global model on the test set every this many epochs of samples."""
+    eval_every_s: float = 0.0
+    """Evaluate every this many seconds of run time instead (virtual seconds on the simulator,
+    wall seconds on the dist engine); 0: by epochs. Runs whose steps differ in size (a lone
+    device against a cluster) compare at the same time granularity this way."""
     threads: int = 1
     """torch intra-op threads (1 is fastest for many small replicas)."""
 
@@ -112,6 +116,7 @@ class TrainConfig:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"train.batch_size must be an integer >= 1, got {self.batch_size!r}")
         _check_positive("train.eval_every_epochs", self.eval_every_epochs)
+        _check_positive("train.eval_every_s", self.eval_every_s, allow_zero=True)
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"train.threads must be an integer >= 1, got {self.threads!r}")
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from hetrain.config import OptimizerConfig
+from hetrain.plan.noise import GradProbe
 from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
 from hetrain.workloads import Workload, gather
 
@@ -115,6 +116,8 @@ class TaskResult:
     loss: float
     samples: int
     steps: int
+    probe: GradProbe | None = None
+    """The gradient-noise probe of the first batch, when the task asked for one."""
 
 
 class Replica:
@@ -137,9 +140,14 @@ class Replica:
         self.model.train()
         start = flat_params(self.model)
         losses = []
+        probe = None
         if update == "gradient":
             self.model.zero_grad(set_to_none=True)
-            for idx in batches:
+            for k, idx in enumerate(batches):
+                if k == 0 and task.probe_noise and len(idx) >= 2:
+                    loss_value, probe = self._probe_backward(idx, 1.0 / len(batches))
+                    losses.append(loss_value)
+                    continue
                 x, y = gather(self.workload.train, idx)
                 loss = self.workload.loss_fn(self.model(x), y)
                 (loss / len(batches)).backward()
@@ -147,18 +155,51 @@ class Replica:
             out = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                              for p in self.model.parameters()])
         else:
+            if task.reset_optimizer:
+                self.optimizer.state.clear()
             for group in self.optimizer.param_groups:
                 group["lr"] = self.base_lr * task.lr_scale
-            for idx in batches:
-                x, y = gather(self.workload.train, idx)
+            for k, idx in enumerate(batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = self.workload.loss_fn(self.model(x), y)
-                loss.backward()
+                if k == 0 and task.probe_noise and len(idx) >= 2:
+                    loss_value, probe = self._probe_backward(idx, 1.0)
+                else:
+                    x, y = gather(self.workload.train, idx)
+                    loss = self.workload.loss_fn(self.model(x), y)
+                    loss.backward()
+                    loss_value = loss.item()
                 self.optimizer.step()
-                losses.append(loss.item())
+                losses.append(loss_value)
             out = start - flat_params(self.model)
         return TaskResult(out, [b.detach().clone() for b in float_buffers(self.model)],
-                          float(np.mean(losses)), sum(len(b) for b in batches), len(batches))
+                          float(np.mean(losses)), sum(len(b) for b in batches), len(batches),
+                          probe)
+
+    def _probe_backward(self, idx: Tensor, scale: float) -> tuple[float, GradProbe]:
+        """Back-propagate the batch `idx` as two halves, one at a time, leaving `scale` times
+        the whole batch's mean gradient in .grad (added to what is there), and measure the
+        squared norms of the halves' and the whole batch's gradients (hetrain.plan.noise)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        before = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+        halves = (idx[:len(idx) // 2], idx[len(idx) // 2:])
+        grads, loss_sum = [], 0.0
+        for half in halves:
+            for p in params:
+                p.grad = None
+            x, y = gather(self.workload.train, half)
+            loss = self.workload.loss_fn(self.model(x), y)
+            loss.backward()
+            loss_sum += loss.item() * len(half)
+            grads.append([p.grad.detach().clone() if p.grad is not None
+                          else torch.zeros_like(p) for p in params])
+        n0, n1, n = len(halves[0]), len(halves[1]), len(idx)
+        small = 0.5 * sum(float(sum((g * g).sum() for g in gs)) for gs in grads)
+        whole = [(n0 * g0 + n1 * g1) / n for g0, g1 in zip(*grads, strict=True)]
+        big = float(sum((g * g).sum() for g in whole))
+        with torch.no_grad():
+            for p, g, old in zip(params, whole, before, strict=True):
+                p.grad = scale * g if old is None else old + scale * g
+        return loss_sum / n, GradProbe(small, 0.5 * n, big, n)
 
 
 class Server:

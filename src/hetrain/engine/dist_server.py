@@ -48,6 +48,7 @@ from hetrain.engine.setup import Prepared
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox
 from hetrain.errors import HetrainError
+from hetrain.plan.noise import GradProbe
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push
 from hetrain.workloads import evaluate
@@ -92,9 +93,15 @@ class Coordinator:
         self.buffered: dict[int, deque[Buffered]] = {
             w: deque() for w in range(n)}
         self.applied_samples = 0
+        self.drawn_by = [0] * n
+        self.applied_by = [0] * n
+        """Samples handed to / applied from each worker in this process: the difference is its
+        unsent work (in flight at the stop, buffered but never applied, or lost with it)."""
         self.max_samples = int(self.cfg.stop.max_epochs * prep.ctx.train_samples)
         self.eval_every = max(1, int(self.cfg.train.eval_every_epochs * prep.ctx.train_samples))
         self.next_eval = 0
+        self.eval_every_s = self.cfg.train.eval_every_s
+        self.next_eval_s = 0.0
         self.recent_losses: list[float] = []
         self.overruns = [0] * n
         self.eval_pause_s = 0.0
@@ -199,6 +206,7 @@ class Coordinator:
     def _release(self, w: int) -> None:
         task = self.strategy.next_task(w)
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
+        self.drawn_by[w] += task.samples
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
         if w in self.pending_apply:
             msg["apply_weight"] = self.pending_apply.pop(w)
@@ -229,7 +237,8 @@ class Coordinator:
         decision = self.strategy.on_push(Push(
             worker=w, base_version=self.base_version[w], samples=msg["samples"],
             steps=msg["steps"], loss=msg["loss"], compute_s=k * msg["compute_s"],
-            comm_s=k * msg["comm_s"], arrival_s=k * self.clock()))
+            comm_s=k * msg["comm_s"], arrival_s=k * self.clock(),
+            probe=GradProbe(*msg["probe"]) if "probe" in msg else None))
         self._decide(decision)
 
     def _take_times(self, w: int, msg: dict[str, Any]) -> None:
@@ -250,8 +259,11 @@ class Coordinator:
                 self._release(w)
 
     def _apply(self, decision: Decision) -> None:
+        held = {w: sum(b[2] for b in self.buffered[w]) for w, _ in decision.apply}
         items, samples = take_applied(self.buffered, decision, self.strategy.name)
         self.applied_samples += samples
+        for w, before in held.items():
+            self.applied_by[w] += before - sum(b[2] for b in self.buffered[w])
         if self.allreduce:
             self._collective_apply(dict(decision.apply))
         else:
@@ -259,7 +271,8 @@ class Coordinator:
             self._to_shards({"kind": "apply", "items": list(decision.apply)})
         self.updates_since_ckpt += 1
         self._snapshot()
-        if self.applied_samples >= self.next_eval:
+        if (self.clock() >= self.next_eval_s if self.eval_every_s > 0
+                else self.applied_samples >= self.next_eval):
             self._evaluate()
         if self._should_stop():
             self.done = True
@@ -338,9 +351,12 @@ class Coordinator:
             time_s=t, samples=self.applied_samples,
             epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
-            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers))
+            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
+            extra=self.strategy.metrics())
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
+        while self.eval_every_s > 0 and self.next_eval_s <= t:
+            self.next_eval_s += self.eval_every_s
         paused = time.perf_counter() - start
         self.eval_pause_s += paused
         for w in self.busy:
@@ -440,7 +456,10 @@ class Coordinator:
         ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
         if self.emulation.get("mode") != "none":
             ideal /= self.emulation.get("time_scale", 1.0)
+        for w, times in enumerate(self.log.workers):
+            times.unsent_samples = self.drawn_by[w] - self.applied_by[w]
         extra = {"engine": "dist", "strategy": self.strategy.name, "cluster": cluster.name,
+                 "unsent_samples": sum(self.drawn_by) - sum(self.applied_by),
                  "workload": self.p.workload.name, "n_workers": cluster.n,
                  "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
                  "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),

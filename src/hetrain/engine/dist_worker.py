@@ -15,6 +15,7 @@ other blocks from the shards at the task's version, and pushes each block of its
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ class Worker:
         self.tasks += 1
         out: dict[str, Any] = {"kind": "push", "samples": result.samples, "steps": result.steps,
                                "loss": result.loss, "compute_s": compute_s}
+        if result.probe is not None:  # plain floats on the wire
+            out["probe"] = dataclasses.astuple(result.probe)
         if self.comm == "ps":
             payloads = [fb.compress(part) for fb, part in
                         zip(self.feedbacks, self._blocks(result.update), strict=True)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,14 @@ def prepare(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
                      model_bytes=model_bytes(probe), sample_bytes=workload.sample_bytes,
                      train_samples=n_train, batch_size=cfg.train.batch_size, lr=cfg.optimizer.lr)
     strategy.setup(ctx)
+    site = strategy.ps_placement()
+    if site and site != cluster.ps_site:
+        if cfg.engine == "dist":
+            logging.getLogger("hetrain").warning(
+                "strategy %s places the parameter server in site '%s' (the cluster file says "
+                "'%s'): start rank 0 on a machine there; emulated links follow the plan",
+                strategy.name, site, cluster.ps_site)
+        cluster = dataclasses.replace(cluster, ps_site=site)
     return Prepared(cfg, cluster, workload, strategy, compressor, ctx)
 
 

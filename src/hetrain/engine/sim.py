@@ -97,6 +97,8 @@ class Simulator:
         self.max_samples = int(cfg.stop.max_epochs * prep.ctx.train_samples)
         self.eval_every = max(1, int(cfg.train.eval_every_epochs * prep.ctx.train_samples))
         self.next_eval = 0
+        self.eval_every_s = cfg.train.eval_every_s
+        self.next_eval_s = 0.0
         self.recent_losses: list[float] = []
         self.now = 0.0
         self.done = False
@@ -183,7 +185,7 @@ class Simulator:
         decision = self.strategy.on_push(Push(
             worker=w, base_version=f.base_version, samples=f.result.samples,
             steps=f.result.steps, loss=f.result.loss, compute_s=f.compute_s,
-            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t))
+            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t, probe=f.result.probe))
         if self.strategy.comm == "allreduce" and decision.apply:
             nbytes = f.payload.nbytes
             ar = self.p.cluster.ring_allreduce_time_s(nbytes, [w for w, _ in decision.apply])
@@ -208,7 +210,8 @@ class Simulator:
         self.applied_samples += samples
         self.server.apply(items)
         self.now = t
-        if self.applied_samples >= self.next_eval:
+        if (t >= self.next_eval_s if self.eval_every_s > 0
+                else self.applied_samples >= self.next_eval):
             self._evaluate(t)
         if self._should_stop(t):
             self.done = True
@@ -229,9 +232,12 @@ class Simulator:
             time_s=t, samples=self.applied_samples,
             epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
-            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers))
+            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
+            extra=self.strategy.metrics())
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
+        while self.eval_every_s > 0 and self.next_eval_s <= t:
+            self.next_eval_s += self.eval_every_s
         if self.progress is not None:
             self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
@@ -251,9 +257,17 @@ class Simulator:
                 self._decide(decision, t, collective_s=ar)
         if self.log.rows[-1]["samples"] != self.applied_samples:
             self._evaluate(self.now)
+        # Work never applied: tasks in flight at the stop (pushing or not) and pushes buffered
+        # at the server that no Decision applied. With applied_samples they account for every
+        # sample drawn from the data owner.
+        for w, times in enumerate(self.log.workers):
+            f = self.inflight.get(w)
+            times.unsent_samples = (f.result.samples if f is not None else 0) + sum(
+                samples for _, _, samples in self.buffered[w])
         cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
         ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
         extra = {"engine": "sim", "strategy": self.strategy.name, "cluster": cluster.name,
+                 "unsent_samples": sum(t.unsent_samples for t in self.log.workers),
                  "workload": self.p.workload.name, "n_workers": cluster.n,
                  "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
                  "strategy_stats": self.strategy.stats(), "config": self.p.cfg.to_dict()}

@@ -4,6 +4,8 @@ from hetrain.profile.plan_iterations import (
     FractionalSteps,
     LocalPlan,
     OnlineCosts,
+    commit_round_cap_s,
+    epoch_time_s,
     plan_for_comm_fraction,
     plan_for_fastest,
     plan_local_steps,
@@ -11,5 +13,5 @@ from hetrain.profile.plan_iterations import (
 from hetrain.profile.profile import Profile, WorkerProfile, worker_profiles
 
 __all__ = ["FractionalSteps", "LocalPlan", "OnlineCosts", "Profile", "WorkerProfile",
-           "plan_for_comm_fraction", "plan_for_fastest",
+           "commit_round_cap_s", "epoch_time_s", "plan_for_comm_fraction", "plan_for_fastest",
            "plan_local_steps", "worker_profiles"]

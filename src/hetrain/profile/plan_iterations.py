@@ -8,6 +8,12 @@ equalising choice is H_i = (T - c_i) / s_i, rounded to the nearest integer and c
 worker runs exactly `min_steps` and everyone else fills the same time with more iterations.
 Rounding leaves each worker within s_i / 2 of T (exact balance is impossible with whole
 iterations); `imbalance` reports max r_i / min r_i of the rounded plan.
+
+`max_round_time_s` caps T (every planner here takes it): where slow links would make rounds
+longer than, e.g., a quarter of an epoch (`commit_round_cap_s`), T is cut to the cap and the
+same H_i = (T - c_i) / s_i follow, so every worker still commits at least once per cap; a
+worker whose commit time alone exceeds the cap runs `min_steps`. A cap above the planned T
+changes nothing (the plan is the uncapped one, float for float).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class LocalPlan:
     """Predicted pull + H_i * step + push of each worker."""
     targets: tuple[float, ...] = field(default=())
     """The unrounded (T - c_i) / s_i, clipped to the step limits (for `FractionalSteps`)."""
+    capped: bool = False
+    """Whether `max_round_time_s` cut T (the plan commits more often than it would have)."""
 
     @property
     def imbalance(self) -> float:
@@ -41,25 +49,52 @@ class LocalPlan:
                 "round_times_s": list(self.round_times_s)}
 
 
+def epoch_time_s(profile: Profile, samples: int, batch_size: int | None = None) -> float:
+    """The time one epoch of `samples` takes at the workers' summed compute rate,
+    samples / sum_i (b / s_i) (b: `batch_size`, else each worker's profiled batch size), i.e.
+    with no time lost to communication: a lower bound on a real epoch."""
+    rate = sum((batch_size or w.batch_size) / w.step_time_s for w in profile.workers)
+    return samples / rate
+
+
+def commit_round_cap_s(profile: Profile, samples: int, commits_per_epoch: float,
+                       batch_size: int | None = None) -> float:
+    """The longest round that still gives every worker `commits_per_epoch` commits in an
+    epoch (`epoch_time_s` / commits_per_epoch); inf when `commits_per_epoch` is 0 (no cap)."""
+    if commits_per_epoch < 0:
+        raise ConfigError(f"local-step plan: commits_per_epoch must be >= 0, "
+                          f"got {commits_per_epoch}")
+    if commits_per_epoch == 0:
+        return math.inf
+    return epoch_time_s(profile, samples, batch_size) / commits_per_epoch
+
+
 def plan_local_steps(profile: Profile, min_steps: int = 1, round_time_s: float | None = None,
-                     max_steps: int = 100_000) -> LocalPlan:
+                     max_steps: int = 100_000, max_round_time_s: float = math.inf) -> LocalPlan:
     """Equalise round times (see the module docstring for the derivation)."""
     if min_steps < 1 or max_steps < min_steps:
         raise ConfigError(f"local-step plan: need 1 <= min_steps <= max_steps, got "
                           f"{min_steps}, {max_steps}")
+    if not max_round_time_s > 0:
+        raise ConfigError(f"local-step plan: max_round_time_s must be > 0, got "
+                          f"{max_round_time_s}")
     workers = profile.workers
     t = round_time_s if round_time_s is not None else max(
         w.comm_time_s + min_steps * w.step_time_s for w in workers)
     if t <= 0:
         raise ConfigError(f"local-step plan: round_time_s must be > 0, got {t}")
+    capped = t > max_round_time_s
+    if capped:
+        t = max_round_time_s
     targets = tuple(min(max_steps, max(min_steps, (t - w.comm_time_s) / w.step_time_s))
                     for w in workers)
     steps = tuple(min(max_steps, max(min_steps, round(x))) for x in targets)
     times = tuple(w.round_time_s(h) for w, h in zip(workers, steps, strict=True))
-    return LocalPlan(steps, t, times, targets)
+    return LocalPlan(steps, t, times, targets, capped)
 
 
-def plan_for_fastest(profile: Profile, fastest_steps: int, min_steps: int = 1) -> LocalPlan:
+def plan_for_fastest(profile: Profile, fastest_steps: int, min_steps: int = 1,
+                     max_round_time_s: float = math.inf) -> LocalPlan:
     """The plan whose fastest-iterating worker runs `fastest_steps` iterations per round.
 
     T = c_f + fastest_steps * s_f for the worker f with the smallest step time; the others
@@ -70,7 +105,7 @@ def plan_for_fastest(profile: Profile, fastest_steps: int, min_steps: int = 1) -
     f = min(profile.workers, key=lambda w: w.step_time_s)
     t = max(f.comm_time_s + fastest_steps * f.step_time_s,
             max(w.comm_time_s + min_steps * w.step_time_s for w in profile.workers))
-    return plan_local_steps(profile, min_steps, round_time_s=t)
+    return plan_local_steps(profile, min_steps, round_time_s=t, max_round_time_s=max_round_time_s)
 
 
 class FractionalSteps:
@@ -125,8 +160,8 @@ class OnlineCosts:
                        self.base.source)
 
 
-def plan_for_comm_fraction(profile: Profile, comm_fraction: float,
-                           min_steps: int = 1) -> LocalPlan:
+def plan_for_comm_fraction(profile: Profile, comm_fraction: float, min_steps: int = 1,
+                           max_round_time_s: float = math.inf) -> LocalPlan:
     """The most frequent commits that keep every worker's wire time under a budget.
 
     Worker i spends c_i of a round of length T communicating, so c_i / T <= f for all i needs
@@ -139,4 +174,5 @@ def plan_for_comm_fraction(profile: Profile, comm_fraction: float,
         raise ConfigError(f"local-step plan: comm_fraction must be in (0, 1], got {comm_fraction}")
     floor_s = max(w.comm_time_s + min_steps * w.step_time_s for w in profile.workers)
     budget_s = max(w.comm_time_s for w in profile.workers) / comm_fraction
-    return plan_local_steps(profile, min_steps, round_time_s=max(floor_s, budget_s))
+    return plan_local_steps(profile, min_steps, round_time_s=max(floor_s, budget_s),
+                            max_round_time_s=max_round_time_s)

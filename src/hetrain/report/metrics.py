@@ -25,6 +25,10 @@ class WorkerTimes:
     pushes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    unsent_samples: int = 0
+    """Samples the worker computed (or was computing) whose pushes the global model never got:
+    in flight when the run stopped, or buffered at the server but never applied (set at the
+    end of a run; a dist run also counts the work of a worker that was lost)."""
 
 
 @dataclass
@@ -68,13 +72,14 @@ class MetricsLog:
 
     def record(self, *, time_s: float, samples: int, epoch: float, updates: int,
                test_loss: float, test_accuracy: float, train_loss: float | None,
-               bytes_total: int) -> dict[str, Any]:
+               bytes_total: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One evaluation row; `extra` holds the strategy's own figures (Strategy.metrics)."""
         row = {"time_s": time_s, "samples": samples, "epoch": epoch, "updates": updates,
                "test_loss": test_loss, "test_accuracy": test_accuracy, "train_loss": train_loss,
                "bytes_total": bytes_total,
                "busy_s": [w.busy_s for w in self.workers],
                "comm_s": [w.comm_s for w in self.workers],
-               "idle_s": [w.idle_s for w in self.workers]}
+               "idle_s": [w.idle_s for w in self.workers], **(extra or {})}
         self.rows.append(row)
         if self.tta_s is None and self._hits_target(test_accuracy, test_loss):
             self.tta_s, self.tta_samples = time_s, samples

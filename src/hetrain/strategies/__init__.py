@@ -1,6 +1,6 @@
 """Training protocols as pure state machines; every module registers its strategy by name."""
 
-from hetrain.strategies import adsp, ashl, asp, cadp, ddp, local_sgd, ssp  # noqa: F401  (registration)
+from hetrain.strategies import adsp, ashl, asp, auto, cadp, ddp, local_sgd, ssp  # noqa: F401  (registration)
 from hetrain.strategies.base import (
     BarrierMixin,
     Decision,

@@ -25,6 +25,14 @@ training loss of the period's pushes. With direction d (+1: more commits) and ve
 
 C_max is the most commits the slowest worker can make in a period (one step per commit;
 its commit time is counted here in both modes).
+
+Every worker commits at least `min_commits_per_epoch` times per epoch, the epoch estimated as
+train_samples / (sum of the workers' samples/s) from the current costs: with the round cap
+T = epoch / min_commits_per_epoch (`commit_round_cap_s`), the search's lower bound is
+C_min = min(C_max, ceil(G / T)) instead of 1, so the interval G / C never exceeds T, and each
+worker's tau_i is at most max(1, (T - c_i) / s_i) (ASHL's capped plan: its commit time
+counted in both modes; one step where the link alone exceeds T). Where the cap does not bind
+the plan is exactly the uncapped one.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from hetrain.errors import ConfigError
-from hetrain.profile import FractionalSteps, OnlineCosts, Profile
+from hetrain.profile import FractionalSteps, OnlineCosts, Profile, commit_round_cap_s
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
 from hetrain.strategies.registry import register
 
@@ -60,6 +68,9 @@ class ADSP(Strategy):
     comm_aware: bool = False
     """Subtract each worker's pull + push time from its commit interval (False: the paper's
     speed-proportional plan)."""
+    min_commits_per_epoch: float = 4.0
+    """Every worker commits at least this many times per (estimated) epoch: bounds C from
+    below and caps each worker's local steps (0: no cap)."""
 
     def __post_init__(self) -> None:
         if self.check_period_s < 0:
@@ -74,6 +85,11 @@ class ADSP(Strategy):
         if self.weighting not in ("uniform", "samples"):
             raise ConfigError(f"strategy adsp: weighting = {self.weighting!r}; choose one of: "
                               "uniform, samples")
+        if isinstance(self.min_commits_per_epoch, bool) or not isinstance(
+                self.min_commits_per_epoch, (int, float)) \
+                or not 0 <= self.min_commits_per_epoch < math.inf:
+            raise ConfigError(f"strategy adsp: min_commits_per_epoch must be a number >= 0 "
+                              f"(0: no cap), got {self.min_commits_per_epoch!r}")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
@@ -83,7 +99,11 @@ class ADSP(Strategy):
         slow_round_s = self.costs.step_s[slow] + self.costs.comm_s[slow]
         self.period_s = self.check_period_s or 16 * slow_round_s
         self.c_max = max(1, math.floor(self.period_s / slow_round_s))
-        self.commits = min(self.c_max, self.commits_init or max(1, self.c_max // 2))
+        self._update_cap()
+        wanted = min(self.c_max, self.commits_init or max(1, self.c_max // 2))
+        self.commits = max(self.c_min, wanted)
+        self.floored_periods = int(wanted < self.c_min)
+        self.capped_tasks = 0
         self.rounder = FractionalSteps(n)
         self._direction, self._velocity = 1, 0.0
         self._period_end = self.period_s
@@ -93,15 +113,33 @@ class ADSP(Strategy):
         self.commit_counts = [0] * n
         self.history: list[int] = [self.commits]
 
-    def local_target(self, worker: int) -> float:
-        """tau_i = (G / C) / s_i (comm_aware: (G / C - c_i) / s_i), at least one step."""
+    def _update_cap(self) -> None:
+        """The round cap T from the current costs, and C_min, the fewest commits per period
+        that keep G / C <= T."""
+        ctx = self.context
+        self.round_cap_s = commit_round_cap_s(self.costs.profile(), ctx.train_samples,
+                                              self.min_commits_per_epoch, ctx.batch_size)
+        self.c_min = 1 if math.isinf(self.round_cap_s) else \
+            min(self.c_max, max(1, math.ceil(self.period_s / self.round_cap_s - 1e-9)))
+
+    def _targets(self, worker: int) -> tuple[float, float]:
+        """(tau_i, the cap's bound on it)."""
         interval = self.period_s / self.commits
         if self.comm_aware:
             interval -= self.costs.comm_s[worker]
-        return max(1.0, interval / self.costs.step_s[worker])
+        step_s = self.costs.step_s[worker]
+        return (max(1.0, interval / step_s),
+                max(1.0, (self.round_cap_s - self.costs.comm_s[worker]) / step_s))
+
+    def local_target(self, worker: int) -> float:
+        """tau_i = (G / C) / s_i (comm_aware: (G / C - c_i) / s_i), at least one step, and at
+        most the cap's max(1, (T - c_i) / s_i)."""
+        return min(self._targets(worker))
 
     def next_task(self, worker: int) -> WorkTask:
-        steps = self.rounder.take(worker, self.local_target(worker))
+        tau, cap = self._targets(worker)
+        self.capped_tasks += cap < tau
+        steps = self.rounder.take(worker, min(tau, cap))
         return WorkTask(batch_size=self.context.batch_size, local_steps=steps)
 
     def _round_samples(self) -> float:
@@ -111,6 +149,7 @@ class ADSP(Strategy):
     def on_push(self, push: Push) -> Decision:
         self.costs.observe(push.worker, push.compute_s, push.steps, push.comm_s)
         self.commit_counts[push.worker] += 1
+        self._update_cap()
         while push.arrival_s >= self._period_end:  # the push belongs to the next period
             self._end_period()
         self._losses.append(push.loss)
@@ -133,7 +172,9 @@ class ADSP(Strategy):
                 self._velocity = float(self._direction)
             else:
                 self._velocity = self.momentum * self._velocity + self._direction
-            self.commits = min(self.c_max, max(1, math.floor(self.commits + self._velocity + 0.5)))
+            wanted = min(self.c_max, max(1, math.floor(self.commits + self._velocity + 0.5)))
+            self.floored_periods += wanted < self.c_min
+            self.commits = max(self.c_min, wanted)
             self._prev_reward = reward
         self._prev_loss = loss
         self.history.append(self.commits)
@@ -143,4 +184,7 @@ class ADSP(Strategy):
         return {"check_period_s": self.period_s, "commits_per_period": self.commits,
                 "commits_max": self.c_max, "commit_history": ",".join(map(str, self.history)),
                 "commit_counts": ",".join(map(str, counts)),
-                "commit_balance": min(counts) / max(counts) if max(counts) else 1.0}
+                "commit_balance": min(counts) / max(counts) if max(counts) else 1.0,
+                "round_cap_s": self.round_cap_s if math.isfinite(self.round_cap_s) else 0.0,
+                "commits_min": self.c_min, "floored_periods": self.floored_periods,
+                "capped_tasks": self.capped_tasks}

@@ -6,6 +6,11 @@ the pushes. Local iterations are planned so that pull + H_i steps + push is the 
 time T for everyone. T is the shortest round that keeps every worker's wire time c_i under a
 fraction f of it, T = max(slowest one-step round, max_i c_i / f) (`plan_for_comm_fraction`),
 or, if `*_fastest_steps` is set, the round in which the fastest worker runs that many steps.
+In both stages T is capped so that every worker commits at least `min_commits_per_epoch`
+times per epoch: T <= epoch / min_commits_per_epoch, the epoch estimated as train_samples /
+(sum of the workers' samples/s) from the current costs (`commit_round_cap_s`); a worker whose
+commit time alone exceeds the cap runs one step. Without the cap a wide-area cluster and a
+small, fast model plan rounds longer than the run, and some workers never commit at all.
 
 Stage 1, AHL: asynchronous commits applied on arrival, infrequent (f = `ahl_comm_fraction`,
 small, so rounds are long where links are slow), and a large tolerated gap: a worker is held
@@ -30,6 +35,7 @@ scaled by `commit_weight` (1 by default).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hetrain.errors import ConfigError
@@ -38,6 +44,7 @@ from hetrain.profile import (
     LocalPlan,
     OnlineCosts,
     Profile,
+    commit_round_cap_s,
     plan_for_comm_fraction,
     plan_for_fastest,
 )
@@ -114,6 +121,9 @@ class ASHL(Strategy):
     """Scales every commit's weight."""
     profile_path: str = ""
     """A measured profile (JSON/TOML from `hetrain profile`); empty: price the Cluster."""
+    min_commits_per_epoch: float = 4.0
+    """Cap the round time at (estimated epoch time) / this, so every worker commits at least
+    this many times per epoch (0: no cap)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.switch_patience, bool) or not isinstance(self.switch_patience, int) \
@@ -135,6 +145,11 @@ class ASHL(Strategy):
                               "uniform, samples")
         if self.commit_weight <= 0:
             raise ConfigError("strategy ashl: commit_weight must be > 0")
+        if isinstance(self.min_commits_per_epoch, bool) or not isinstance(
+                self.min_commits_per_epoch, (int, float)) \
+                or not 0 <= self.min_commits_per_epoch < math.inf:
+            raise ConfigError(f"strategy ashl: min_commits_per_epoch must be a number >= 0 "
+                              f"(0: no cap), got {self.min_commits_per_epoch!r}")
 
     # ---- stage 0 ----------------------------------------------------------------------------
     def setup(self, ctx: RunContext) -> None:
@@ -156,15 +171,21 @@ class ASHL(Strategy):
         self.rounder = FractionalSteps(n)
         self.switch_time_s: float | None = None
         self.stage_pushes = [0, 0]
+        self.capped_plans = 0
         self._replan()
 
     def _replan(self) -> None:
         ahl = self.stage == 1
         steps = self.ahl_fastest_steps if ahl else self.shl_fastest_steps
         profile = self.costs.profile()
-        self.plan: LocalPlan = plan_for_fastest(profile, steps) if steps else \
+        ctx = self.context
+        self.round_cap_s = commit_round_cap_s(profile, ctx.train_samples,
+                                              self.min_commits_per_epoch, ctx.batch_size)
+        self.plan: LocalPlan = \
+            plan_for_fastest(profile, steps, max_round_time_s=self.round_cap_s) if steps else \
             plan_for_comm_fraction(profile, self.ahl_comm_fraction if ahl
-                                   else self.shl_comm_fraction)
+                                   else self.shl_comm_fraction, max_round_time_s=self.round_cap_s)
+        self.capped_plans += self.plan.capped
         self._round_samples = self.context.batch_size * sum(self.plan.targets)
 
     # ---- protocol ---------------------------------------------------------------------------
@@ -198,7 +219,11 @@ class ASHL(Strategy):
             "shl_pushes": self.stage_pushes[1], "max_commit_gap": self.gate.max_gap,
             "held_pushes": self.gate.holds,
             "local_steps": ",".join(map(str, self.plan.local_steps)),
-            "profile_source": self.profile.source}
+            "profile_source": self.profile.source,
+            "round_time_s": self.plan.round_time_s,
+            "round_cap_s": self.round_cap_s if math.isfinite(self.round_cap_s) else 0.0,
+            "round_capped": int(self.plan.capped),
+            "capped_plans": self.capped_plans}
         if self.switch_time_s is not None:
             out["switch_time_s"] = self.switch_time_s
         return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from hetrain.cluster import Cluster
+from hetrain.plan.noise import GradProbe
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class WorkTask:
     """Multiplies the worker's inner learning rate (e.g. linear scaling for bigger batches)."""
     data_bytes: int = 0
     """Bytes shipped to the worker with this task (C-ADP's data owner sends the share)."""
+    reset_optimizer: bool = False
+    """Clear the worker's inner optimizer state (momentum) first: a device that (re)joins a
+    plan would otherwise carry momentum built from stale gradients into the average."""
+    probe_noise: bool = False
+    """Measure the gradient noise on the task's first batch (two halves back-propagated one at
+    a time, the same update; see hetrain.plan.noise) and send a GradProbe with the push."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.local_steps < 1:
@@ -86,6 +93,8 @@ class Push:
     """Time of the last pull plus this push on the wire."""
     arrival_s: float
     """Engine time at which the push reached the server."""
+    probe: GradProbe | None = None
+    """Gradient norms of the task's first batch, when the task asked for them."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,15 @@ class Strategy(ABC):
         longer waits for it. Default: nothing (a barrier then waits forever, and the engine
         stops the run with a checkpoint)."""
         return None
+
+    def ps_placement(self) -> str | None:
+        """The site where the parameter server should run, if the strategy chose one (`auto`
+        does); engines that can move it do (the simulator), the others say so. None: keep."""
+        return None
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """Figures added to every evaluation row of metrics.jsonl (e.g. the noise scale)."""
+        return {}
 
     def outer(self) -> OuterOptimizer:
         """The server's outer SGD in delta mode (default: apply the aggregate as it is)."""

@@ -1,0 +1,330 @@
+"""Time-to-accuracy planning: which devices, where the PS lives, global batch, local steps, lr.
+
+The quantity to maximise is goodput (Pollux, Qiao et al. OSDI'21): training progress per
+second, measured in samples of the base batch B0 (`train.batch_size`, the batch the base lr was
+tuned for):
+
+    goodput = throughput(plan) * efficiency(plan)            [B0-equivalent samples / s]
+    efficiency = E(G) = (B_noise + B0) / (B_noise + G)        (hetrain.plan.noise)
+
+so time to a target is (samples the base batch needs) / goodput, and the plan with the highest
+goodput reaches it first. A plan is (PS site s, global batch G per step, local steps H, the
+per-device shares). One round: every active device pulls, runs H steps on its share x_j / H per
+step, and pushes; the PS averages the deltas by share. Its time (the cluster model, or times
+measured during the run) is
+
+    round(s, G, H) = max_j (a_j + b_j x_j)  +  k * c_member,   sum_j x_j = G H
+    a_j = pull + push over the link to site s + H * step_overhead_j,  b_j = compute per sample
+
+with c_member the PS's serial per-device cost (its NIC and per-message time) and k the number
+of active devices. For fixed (s, G, H) the shares come from the exact min-makespan allocator
+(plan.allocate), which also decides who takes part: a device whose fixed cost alone exceeds
+the round gets nothing. With c_member = 0 that subset is the best of all subsets (the allocator
+is exact); with c_member > 0 the planner also tries dropping the devices with the smallest
+shares, one at a time.
+
+Local steps. H > 1 amortises the round trip but the replicas drift apart between averages.
+Modelled between the two bounds: the H steps of a round are worth H steps of batch G (no
+drift) or one step of batch G H (as bad as a single large batch); the planner uses the
+geometric mean E(G)^(1-p) E(G H)^p with p = `local_step_penalty` (0.5). One active device has no
+drift: its H steps are plain sequential SGD. With H > 1 no device gets fewer than
+`min_device_batch` samples per step (tiny batches make local updates noisy and unstable).
+
+Learning rate: AdaScale's gain r = (G / B0) E(G) times the base lr, at most `max_lr_scale`; the
+planner knows the cap (a step at a capped lr is worth cap B0 / G per sample, not E(G)), so it
+does not pick batches past the knee: the lr follows the batch smoothly, never off a cliff.
+
+The search is exhaustive over the PS sites, a geometric grid of G and the H grid: at most
+sites x |G| x |H| allocations, O(n log n) each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
+from hetrain.plan.allocate import allocate
+from hetrain.plan.noise import adascale_gain, statistical_efficiency
+
+
+@dataclass(frozen=True)
+class StatModel:
+    """The statistical side of the model: how much a sample is worth at a batch size."""
+
+    noise_scale: float
+    """B_noise in samples (measured online; the prior at start-up)."""
+    base_batch: int
+    """B0: the batch the base learning rate was tuned for (`train.batch_size`)."""
+    local_step_penalty: float = 0.5
+    """p in E(G)^(1-p) E(G H)^p for H > 1 local steps on several devices."""
+    min_device_batch: int = 8
+    """With H > 1 on several devices, no device runs a step on fewer samples."""
+    max_lr_scale: float = math.inf
+    """Cap of the lr gain. A step cannot make more progress than its learning rate allows, so
+    a batch whose AdaScale gain r exceeds the cap is worth only cap / (G / B0) per sample."""
+
+    def __post_init__(self) -> None:
+        if not (self.noise_scale > 0 and math.isfinite(self.noise_scale)):
+            raise ConfigError(f"noise_scale must be a positive number, got {self.noise_scale}")
+        if self.base_batch < 1 or self.min_device_batch < 1:
+            raise ConfigError("base_batch and min_device_batch must be >= 1")
+        if not 0 <= self.local_step_penalty <= 1:
+            raise ConfigError(f"local_step_penalty must be in [0, 1], got "
+                              f"{self.local_step_penalty}")
+        if not self.max_lr_scale > 0:
+            raise ConfigError(f"max_lr_scale must be > 0, got {self.max_lr_scale}")
+
+    def efficiency(self, global_batch: int, local_steps: int, n_active: int) -> float:
+        e = self.lr_scale(global_batch) * self.base_batch / global_batch
+        if local_steps == 1 or n_active == 1:
+            return e
+        e_big = statistical_efficiency(global_batch * local_steps, self.noise_scale,
+                                       self.base_batch)
+        p = self.local_step_penalty
+        return e ** (1 - p) * e_big ** p
+
+    def lr_scale(self, global_batch: int) -> float:
+        return min(self.max_lr_scale,
+                   adascale_gain(global_batch, self.noise_scale, self.base_batch))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-device times of one round for one PS placement (from the cluster or measured)."""
+
+    ps_site: str
+    comm_s: tuple[float, ...]
+    """Pull + push of the model between device j and the PS."""
+    overhead_s: tuple[float, ...]
+    """Fixed cost of one optimizer step on device j."""
+    per_sample_s: tuple[float, ...]
+    """Compute time per training sample on device j (inf: the device takes no samples)."""
+    member_s: float = 0.0
+    """The PS's serial cost per active device per round (NIC queueing, message handling)."""
+
+    @property
+    def n(self) -> int:
+        return len(self.comm_s)
+
+
+def cluster_costs(cluster: Cluster, ps_site: str, flops_per_sample: float,
+                  model_bytes: int) -> Costs:
+    """The cluster model's round costs with the PS in `ps_site`."""
+    placed = cluster if ps_site == cluster.ps_site else _with_ps(cluster, ps_site)
+    comm = tuple(2 * placed.ps_link(j).transfer_time_s(model_bytes) for j in range(cluster.n))
+    member = 2 * placed.ps_message_s
+    if placed.ps_nic is not None:
+        member += 2 * model_bytes / placed.ps_nic.bandwidth_Bps
+    return Costs(ps_site, comm, tuple(d.step_overhead_s for d in cluster.devices),
+                 tuple(flops_per_sample / d.flops for d in cluster.devices), member)
+
+
+def _with_ps(cluster: Cluster, site: str) -> Cluster:
+    from dataclasses import replace
+
+    if site not in {s.name for s in cluster.sites}:
+        raise ConfigError(f"cluster '{cluster.name}': no site '{site}' for the PS")
+    return replace(cluster, ps_site=site)
+
+
+@dataclass(frozen=True)
+class GoodputPlan:
+    """One candidate plan and what the model predicts for it."""
+
+    ps_site: str
+    global_batch: int
+    """G: samples per optimizer step summed over the active devices."""
+    local_steps: int
+    """H: steps between two averages."""
+    shares: tuple[int, ...]
+    """Samples per round of every device (G H in all; 0: the device sits out)."""
+    round_s: float
+    samples_per_s: float
+    efficiency: float
+    """Statistical efficiency: progress per sample relative to the base batch."""
+    lr_scale: float
+    noise_scale: float
+    alternatives: dict[str, float] = field(default_factory=dict, compare=False)
+    """Goodput of named reference plans (e.g. the fastest device alone), for explanations."""
+
+    @property
+    def goodput(self) -> float:
+        """Base-batch-equivalent samples per second (higher reaches the target sooner)."""
+        return self.samples_per_s * self.efficiency
+
+    @property
+    def active(self) -> tuple[int, ...]:
+        return tuple(j for j, x in enumerate(self.shares) if x > 0)
+
+    def batches(self) -> tuple[int, ...]:
+        """Per-step batch of every device (0: sits out)."""
+        return tuple(x // self.local_steps for x in self.shares)
+
+
+def evaluate(costs: Costs, stat: StatModel, global_batch: int, local_steps: int,
+             allowed: np.ndarray | None = None) -> GoodputPlan | None:
+    """The best shares for one (PS site, G, H) and their predicted goodput; None if no device
+    can take the round (e.g. every device below the per-step batch floor)."""
+    n = costs.n
+    comm = np.asarray(costs.comm_s)
+    fixed = comm + local_steps * np.asarray(costs.overhead_s)
+    per_sample = np.asarray(costs.per_sample_s, dtype=float)
+    use = np.ones(n, dtype=bool) if allowed is None else allowed.copy()
+    total = global_batch * local_steps
+    while True:
+        if not use.any():
+            return None
+        alloc = allocate(fixed, np.where(use, per_sample, np.inf), total,
+                         granularity=local_steps)
+        shares = np.asarray(alloc.shares)
+        k = int((shares > 0).sum())
+        too_small = (shares > 0) & (shares < stat.min_device_batch * local_steps)
+        if local_steps == 1 or k == 1 or not too_small.any():
+            break
+        # the floor: drop the device with the smallest share and re-allocate without it
+        j = int(np.argmin(np.where(too_small, shares, np.iinfo(np.int64).max)))
+        use[j] = False
+    round_s = alloc.makespan_s + k * costs.member_s
+    eff = stat.efficiency(global_batch, local_steps, k)
+    return GoodputPlan(costs.ps_site, global_batch, local_steps, tuple(int(x) for x in shares),
+                       round_s, total / round_s, eff, stat.lr_scale(global_batch),
+                       stat.noise_scale)
+
+
+def best_alone(costs: Costs, stat: StatModel, global_batch: int, local_steps: int) -> GoodputPlan:
+    """The best single device for one (PS site, G, H): no drift, so no local-step penalty."""
+    comm, over = np.asarray(costs.comm_s), np.asarray(costs.overhead_s)
+    per_sample = np.asarray(costs.per_sample_s, dtype=float)
+    round_s = comm + local_steps * (over + per_sample * global_batch) + costs.member_s
+    j = int(np.argmin(round_s))   # the first of equals: deterministic
+    shares = [0] * costs.n
+    shares[j] = global_batch * local_steps
+    return GoodputPlan(costs.ps_site, global_batch, local_steps, tuple(shares),
+                       float(round_s[j]), global_batch * local_steps / float(round_s[j]),
+                       stat.efficiency(global_batch, local_steps, 1),
+                       stat.lr_scale(global_batch), stat.noise_scale)
+
+
+def best_for(costs: Costs, stat: StatModel, global_batch: int,
+             local_steps: int) -> GoodputPlan | None:
+    """The best of: the allocator's shares (it picks the subset), the same after dropping the
+    smallest shares one at a time while that helps (only when the PS pays per member), and the
+    best single device."""
+    alone = best_alone(costs, stat, global_batch, local_steps)
+    plan = evaluate(costs, stat, global_batch, local_steps)
+    if plan is None:
+        return alone
+    if costs.member_s > 0:
+        plan = _prune(costs, stat, plan)
+    return alone if alone.goodput > plan.goodput * (1 + 1e-12) else plan
+
+
+def _prune(costs: Costs, stat: StatModel, plan: GoodputPlan) -> GoodputPlan:
+    global_batch, local_steps = plan.global_batch, plan.local_steps
+    allowed = np.asarray(plan.shares) > 0
+    while allowed.sum() > 1:
+        shares = np.where(allowed, plan.shares, np.iinfo(np.int64).max)
+        allowed = allowed.copy()
+        allowed[int(np.argmin(shares))] = False
+        fewer = evaluate(costs, stat, global_batch, local_steps, allowed)
+        if fewer is None or fewer.goodput <= plan.goodput:
+            break
+        plan = fewer
+        allowed = np.asarray(plan.shares) > 0
+    return plan
+
+
+def batch_grid(min_batch: int, max_batch: int) -> tuple[int, ...]:
+    """Powers of two and their 1.5 multiples within [min_batch, max_batch]."""
+    if min_batch < 1 or max_batch < min_batch:
+        raise ConfigError(f"batch grid: need 1 <= min_batch <= max_batch, got {min_batch}, "
+                          f"{max_batch}")
+    out = {min_batch, max_batch}
+    p = 1
+    while p <= max_batch:
+        out.update(g for g in (p, 3 * p // 2) if min_batch <= g <= max_batch)
+        p *= 2
+    return tuple(sorted(out))
+
+
+LOCAL_STEPS = (1, 2, 4, 8, 16, 32)
+
+
+def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
+           local_steps: Sequence[int] = LOCAL_STEPS) -> GoodputPlan:
+    """The plan of highest predicted goodput over the PS placements, G grid and H grid.
+
+    Ties go to the earlier placement, the smaller G, then the smaller H (so a plan is the same
+    however the devices are listed)."""
+    best: GoodputPlan | None = None
+    for c in costs:
+        for g in batches:
+            for h in local_steps:
+                plan = best_for(c, stat, g, h)
+                if plan is not None and (best is None or plan.goodput > best.goodput * (1 + 1e-12)):
+                    best = plan
+    if best is None:
+        raise ConfigError("goodput plan: no device can take a round (check the devices' speeds "
+                          "and min_device_batch)")
+    return best
+
+
+def plan_cluster(cluster: Cluster, *, flops_per_sample: float, model_bytes: int,
+                 base_batch: int, noise_scale: float, max_batch: int,
+                 min_batch: int = 8, local_steps: Sequence[int] = LOCAL_STEPS,
+                 local_step_penalty: float = 0.5, min_device_batch: int = 8,
+                 max_lr_scale: float = math.inf,
+                 sites: Sequence[str] | None = None) -> GoodputPlan:
+    """Search every PS site of `cluster` (or `sites`) for the plan of highest goodput, and
+    record the goodput of the fastest device alone beside it (for explanations)."""
+    stat = StatModel(noise_scale, base_batch, local_step_penalty, min_device_batch,
+                     max_lr_scale)
+    grid = batch_grid(min(min_batch, max_batch), max_batch)
+    costs = [cluster_costs(cluster, s, flops_per_sample, model_bytes)
+             for s in (sites or [s.name for s in cluster.sites])]
+    plan = search(costs, stat, grid, local_steps)
+    lone = lone_goodput(cluster, stat, grid, flops_per_sample)
+    return GoodputPlan(**{**plan.__dict__, "alternatives": {"fastest device alone": lone}})
+
+
+def lone_goodput(cluster: Cluster, stat: StatModel, batches: Sequence[int],
+                 flops_per_sample: float) -> float:
+    """Best goodput of the fastest device training alone (no communication at all)."""
+    dev = max(cluster.devices, key=lambda d: d.flops)
+    return max(b / dev.compute_time_s(b, flops_per_sample) * stat.efficiency(b, 1, 1)
+               for b in batches)
+
+
+def explain(plan: GoodputPlan, cluster: Cluster, stat_note: str = "") -> list[str]:
+    """The plan in words: who trains, where the PS runs, and why the others sit out."""
+    active = set(plan.active)
+    by_site: dict[str, list[int]] = {}
+    for j, d in enumerate(cluster.devices):
+        by_site.setdefault(d.site, []).append(j)
+    lines = [f"global batch {plan.global_batch}, {plan.local_steps} local step(s) per average, "
+             f"lr x{plan.lr_scale:.2f} (AdaScale at noise scale {plan.noise_scale:.0f})"
+             + (f"; {stat_note}" if stat_note else ""),
+             f"parameter server in site {plan.ps_site}; {len(active)} of {cluster.n} devices "
+             f"train; predicted {plan.samples_per_s:.0f} samples/s at statistical efficiency "
+             f"{plan.efficiency:.2f} (goodput {plan.goodput:.0f})"]
+    placed = _with_ps(cluster, plan.ps_site)
+    for site, members in by_site.items():
+        out = [j for j in members if j not in active]
+        if not out:
+            continue
+        rtt_ms = 2e3 * placed.ps_link(out[0]).latency_s
+        if len(out) == len(members):
+            lines.append(f"site {site} left out: its {rtt_ms:.0f} ms round trip to the PS costs "
+                         f"more than its compute adds at global batch {plan.global_batch}")
+        else:
+            names = ", ".join(cluster.devices[j].name for j in out)
+            lines.append(f"in site {site}, {names} sit out: a share large enough to pay for "
+                         f"their round trip would make them the slowest")
+    for name, goodput in plan.alternatives.items():
+        lines.append(f"predicted {plan.goodput / goodput:.2f}x the goodput of the {name}")
+    return lines

@@ -1,0 +1,236 @@
+"""`auto`: plan for time to accuracy, not samples per second, and re-plan as training goes.
+
+C-ADP's protocol (synchronous rounds, per-device shares, H local steps, share-weighted delta
+averaging at the PS; see cadp.py) with every free choice made by the goodput planner
+(hetrain.plan.goodput): which devices take part, the PS's site, the global batch G, the local
+steps H and the learning rate. The planner maximises throughput x statistical efficiency,
+where efficiency comes from the gradient noise scale (hetrain.plan.noise): early in training
+the noise scale is small and big batches waste samples, so the plan is a small G on the
+devices that add more compute than their round trips cost, possibly the fastest device alone;
+as the noise scale grows, G (and with it the useful cluster) grows.
+
+How it runs:
+  * setup: the planner searches every PS site, G and H with the noise-scale prior
+    (`noise_scale`, default the base batch) on the cluster model; the PS moves to the chosen
+    site (the simulator moves it; the real engine logs where rank 0 should run).
+  * every task probes the gradient noise on its first batch (WorkTask.probe_noise); the probes
+    feed a bias-corrected moving average (GradientNoiseScale).
+  * every round the shares are re-allocated from measured compute times (as cadp does);
+    every `replan_every_epochs` the planner searches G and H again at the measured noise scale
+    (the PS stays put) and switches only if the new plan's predicted goodput beats the current
+    plan's, re-evaluated at the same noise scale, by `hysteresis` (no flapping).
+  * the learning rate is AdaScale's gain for the current G at the current noise scale, from the
+    batch the base lr was tuned for (train.batch_size): smooth, no cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from hetrain.errors import ConfigError
+from hetrain.plan.allocate import Allocation
+from hetrain.plan.goodput import (
+    LOCAL_STEPS,
+    Costs,
+    GoodputPlan,
+    StatModel,
+    batch_grid,
+    best_for,
+    cluster_costs,
+    search,
+)
+from hetrain.plan.noise import GradientNoiseScale
+from hetrain.strategies.base import Decision, Push, RunContext, WorkTask
+from hetrain.strategies.cadp import CADP
+from hetrain.strategies.registry import register
+
+
+@register
+@dataclass
+class Auto(CADP):
+    """Goodput-planned devices, PS site, global batch, local steps and lr; re-planned online."""
+
+    name = "auto"
+
+    noise_scale: float = 0.0
+    """Prior gradient noise scale (samples) for the first plan; 0: train.batch_size."""
+    min_batch: int = 8
+    """Smallest global batch the planner considers."""
+    max_batch: int = 0
+    """Largest global batch the planner considers; 0: an epoch / 16 (at least 16 steps)."""
+    local_step_penalty: float = 0.5
+    """p: H local steps on several devices are worth E(G)^(1-p) E(G H)^p per sample."""
+    min_device_batch: int = 8
+    """With H > 1 on several devices, no device runs a step on fewer samples."""
+    replan_every_epochs: float = 0.1
+    """Search G and H again at the measured noise scale this often (epochs of samples)."""
+    hysteresis: float = 0.1
+    """Switch plans only when the new one's predicted goodput is this much higher."""
+    noise_ema_weight: float = 0.002
+    """Weight of the newest probe in the noise scale's moving averages."""
+    min_probes: int = 20
+    """Plan with the prior until this many probes have been averaged."""
+    max_batch_growth: float = 2.0
+    """A re-plan changes G by at most this factor either way (Pollux/AdaScale ramp the batch;
+    a sudden jump meets replicas whose momentum was built at the old batch)."""
+    max_lr_scale: float = 2.0
+    """Cap of the AdaScale lr gain: the base lr is taken as tuned close to its stable maximum
+    at train.batch_size (lone-device sweeps diverge at 2-4x of it), and the planner prices
+    the cap, so it does not pick batches whose gain would exceed it."""
+    move_ps: bool = True
+    """Let the planner choose the PS site (False: keep the cluster's ps_site)."""
+    ship_data: bool = False
+    """Like the other strategies, devices read their samples locally (True: cadp's data owner)."""
+
+    goodput_plan: GoodputPlan | None = field(default=None, init=False, repr=False)
+    switches: list[tuple[float, int, int]] = field(default_factory=list, init=False, repr=False)
+    """(epoch, G, H) of every plan, the first included."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"strategy auto: {msg}")
+
+        if not self.noise_scale >= 0:
+            raise bad(f"noise_scale must be >= 0 (0: train.batch_size), got {self.noise_scale}")
+        if self.min_batch < 1 or self.max_batch < 0:
+            raise bad("need min_batch >= 1 and max_batch >= 0 (0: auto)")
+        if not 0 <= self.local_step_penalty <= 1:
+            raise bad(f"local_step_penalty must be in [0, 1], got {self.local_step_penalty}")
+        if self.min_device_batch < 1:
+            raise bad(f"min_device_batch must be >= 1, got {self.min_device_batch}")
+        if not self.replan_every_epochs > 0:
+            raise bad(f"replan_every_epochs must be > 0, got {self.replan_every_epochs}")
+        if not 0 <= self.hysteresis < 10:
+            raise bad(f"hysteresis must be in [0, 10), got {self.hysteresis}")
+        if not 0 < self.noise_ema_weight <= 1:
+            raise bad(f"noise_ema_weight must be in (0, 1], got {self.noise_ema_weight}")
+        if self.min_probes < 0 or not self.max_batch_growth >= 1:
+            raise bad("need min_probes >= 0 and max_batch_growth >= 1")
+
+    # ---- planning -------------------------------------------------------------------------
+    def setup(self, ctx: RunContext) -> None:
+        self.noise = GradientNoiseScale(self.noise_ema_weight)
+        self._prior = self.noise_scale or float(ctx.batch_size)
+        self._base_batch = ctx.batch_size
+        hi = self.max_batch or max(self.min_batch, ctx.train_samples // 16)
+        self._grid = batch_grid(min(self.min_batch, hi), hi)
+        self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
+        cl = ctx.cluster
+        sites = [s.name for s in cl.sites] if self.move_ps else [cl.ps_site]
+        costs = [cluster_costs(cl, s, ctx.flops_per_sample, ctx.model_bytes) for s in sites]
+        self.goodput_plan = search(costs, self._stat(), self._grid, self._steps_grid)
+        self.ps_site = self.goodput_plan.ps_site
+        self._model_costs = next(c for c in costs if c.ps_site == self.ps_site)
+        self._samples_seen = 0
+        self._trained: set[int] = set()   # devices whose replica trained in the plan so far
+        self._next_check = self._check_interval(ctx)
+        self.switches = []
+        # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
+        super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
+
+    def ps_placement(self) -> str | None:
+        return self.ps_site
+
+    def _check_interval(self, ctx: RunContext) -> int:
+        return max(1, int(self.replan_every_epochs * ctx.train_samples))
+
+    def _stat(self) -> StatModel:
+        """The statistical model at the current noise estimate (the prior before any probe)."""
+        measured = self.noise.noise_scale if self.noise.probes >= self.min_probes else None
+        return StatModel(measured or self._prior, self._base_batch, self.local_step_penalty,
+                         self.min_device_batch, self.max_lr_scale)
+
+    def _costs(self) -> Costs:
+        """The round costs to plan with: the model's links, measured compute per sample."""
+        c = self._model_costs
+        per_sample = tuple(float(x) if self._caps[j] > 0 else float("inf")
+                           for j, x in enumerate(self._compute_s))
+        return Costs(c.ps_site, c.comm_s, c.overhead_s, per_sample, c.member_s)
+
+    def _adopt(self, plan: GoodputPlan) -> None:
+        self.goodput_plan = plan
+        self.steps = plan.local_steps
+        self.global_batch = plan.global_batch
+        self.samples_per_round = plan.global_batch * plan.local_steps
+        self.mean_batch = max(1, plan.global_batch // len(plan.active))
+        self.lr_scale = plan.lr_scale
+        epoch = self._samples_seen / self.context.train_samples
+        self.switches.append((round(epoch, 4), plan.global_batch, plan.local_steps))
+
+    def _replan(self) -> None:
+        """cadp calls this at setup, after every round and when a worker is lost."""
+        ctx = self.context
+        stat = self._stat()
+        costs = self._costs()
+        current = self.goodput_plan
+        assert current is not None
+        if self.plan is None:                       # setup: the searched plan
+            self._adopt(current)
+        elif self._samples_seen >= self._next_check or not np.isfinite(
+                [costs.per_sample_s[j] for j in current.active]).all():
+            self._next_check = self._samples_seen + self._check_interval(ctx)
+            now = best_for(costs, stat, current.global_batch, current.local_steps)
+            g, k = current.global_batch, self.max_batch_growth
+            grid = [b for b in self._grid if g / k <= b <= g * k]
+            best = search([costs], stat, grid, self._steps_grid)
+            if now is None or best.goodput > now.goodput * (1 + self.hysteresis):
+                self._adopt(best)
+            else:
+                self._adopt_quietly(now)
+        else:
+            fresh = best_for(costs, stat, current.global_batch, current.local_steps)
+            if fresh is not None:
+                self._adopt_quietly(fresh)
+        plan = self.goodput_plan
+        assert plan is not None
+        self.plan = Allocation(plan.shares, plan.round_s, plan.round_s,
+                               tuple(float(x) for x in plan.shares), (), (), plan.local_steps)
+        self._shares = plan.shares
+        self.history.append(self._shares)
+
+    def _adopt_quietly(self, plan: GoodputPlan) -> None:
+        """Same G and H with re-allocated shares (measured speeds): not a switch."""
+        self.goodput_plan = plan
+        self.mean_batch = max(1, plan.global_batch // len(plan.active))
+
+    # ---- protocol -------------------------------------------------------------------------
+    def next_task(self, worker: int) -> WorkTask:
+        task = super().next_task(worker)
+        member = worker in self._members
+        joins = member and worker not in self._trained
+        if member:
+            self._trained.add(worker)
+        else:
+            self._trained.discard(worker)
+        return WorkTask(task.batch_size, task.local_steps, task.lr_scale, task.data_bytes,
+                        probe_noise=task.batch_size >= 2, reset_optimizer=joins)
+
+    def on_push(self, push: Push) -> Decision:
+        if push.probe is not None:
+            self.noise.observe(push.probe)
+        if push.worker in self._members:
+            self._samples_seen += push.samples
+        return super().on_push(push)
+
+    def metrics(self) -> dict[str, float | int | None]:
+        plan = self.goodput_plan
+        return {"noise_scale": self.noise.noise_scale,
+                "global_batch": plan.global_batch if plan else None,
+                "local_steps": plan.local_steps if plan else None,
+                "lr_scale": plan.lr_scale if plan else None}
+
+    def stats(self) -> dict[str, float | int | str]:
+        out = super().stats()
+        plan = self.goodput_plan
+        assert plan is not None
+        out.update({"ps_site": plan.ps_site, "noise_scale": self.noise.noise_scale or 0.0,
+                    "noise_probes": self.noise.probes, "plan_switches": len(self.switches) - 1,
+                    "plans": ";".join(f"{e}:G{g}xH{h}" for e, g, h in self.switches),
+                    "predicted_samples_per_s": plan.samples_per_s,
+                    "predicted_efficiency": plan.efficiency,
+                    "active_devices": len(plan.active)})
+        return out
