@@ -67,7 +67,8 @@ class Auto(CADP):
     replan_every_epochs: float = 0.1
     """Search G and H again at the measured noise scale this often (epochs of samples)."""
     hysteresis: float = 0.1
-    """Switch plans only when the new one's predicted goodput is this much higher."""
+    """Switch plans only when the new one's predicted goodput is this much higher, at two
+    checks in a row (the noise estimate is noisy: one check could be a fluke)."""
     noise_ema_weight: float = 0.002
     """Weight of the newest probe in the noise scale's moving averages."""
     min_probes: int = 20
@@ -126,6 +127,7 @@ class Auto(CADP):
         self.ps_site = self.goodput_plan.ps_site
         self._model_costs = next(c for c in costs if c.ps_site == self.ps_site)
         self._samples_seen = 0
+        self._candidate: tuple[int, int] | None = None  # a better (G, H) seen at one check
         self._trained: set[int] = set()   # devices whose replica trained in the plan so far
         self._next_check = self._check_interval(ctx)
         self.switches = []
@@ -177,9 +179,13 @@ class Auto(CADP):
             g, k = current.global_batch, self.max_batch_growth
             grid = [b for b in self._grid if g / k <= b <= g * k]
             best = search([costs], stat, grid, self._steps_grid)
-            if now is None or best.goodput > now.goodput * (1 + self.hysteresis):
-                self._adopt(best)
+            better = now is None or best.goodput > now.goodput * (1 + self.hysteresis)
+            candidate = (best.global_batch, best.local_steps) if better else None
+            if now is None or (better and candidate == self._candidate):
+                self._adopt(best)           # the same better plan at two checks in a row
+                self._candidate = None
             else:
+                self._candidate = candidate
                 self._adopt_quietly(now)
         else:
             fresh = best_for(costs, stat, current.global_batch, current.local_steps)
