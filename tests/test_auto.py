@@ -1,0 +1,144 @@
+"""The auto strategy: planning at setup, re-planning from measured noise, the PS placement, and
+training on the simulator."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hetrain.cluster import Cluster, Device, Link, Site, preset
+from hetrain.config import config_from_dict
+from hetrain.engine.setup import prepare
+from hetrain.engine.sim import Simulator
+from hetrain.errors import ConfigError
+from hetrain.plan.noise import GradProbe
+from hetrain.strategies import Push, RunContext, make_strategy
+
+
+def _ctx(cluster: Cluster, batch_size: int = 32, train_samples: int = 16_000) -> RunContext:
+    return RunContext(cluster=cluster, flops_per_sample=1e6, model_bytes=200_000,
+                      sample_bytes=100, train_samples=train_samples, batch_size=batch_size,
+                      lr=0.05)
+
+
+def _two_sites(fast_far: bool) -> Cluster:
+    """PS site 'home' with one slow device; site 'far' (100 ms, 10 Mbit/s away) with 3 fast."""
+    sites = (Site("home", Link(1.25e9, 5e-5), Link(1.25e6, 0.05)),
+             Site("far", Link(1.25e9, 5e-5), Link(1.25e6, 0.05)))
+    fast = 8e8 if fast_far else 2e8
+    devices = (Device("slow", 2e8, site="home", step_overhead_s=2e-3),
+               *(Device(f"fast{j}", fast, site="far", step_overhead_s=2e-3) for j in range(3)))
+    return Cluster("two-sites", devices, sites, ps_site="home")
+
+
+def _probe(noise: float, batch: int = 16, grad_sq: float = 1.0) -> GradProbe:
+    """A noiseless probe of a problem with |G|^2 = grad_sq and tr(Sigma) = noise * grad_sq."""
+    trace = noise * grad_sq
+    return GradProbe(grad_sq + trace / (batch / 2), batch / 2, grad_sq + trace / batch, batch)
+
+
+def _run_rounds(s, rounds: int, noise: float) -> None:
+    for _ in range(rounds):
+        members = sorted(s._members)
+        for w in members:
+            task = s.next_task(w)
+            s.on_push(Push(worker=w, base_version=0, samples=task.samples,
+                           steps=task.local_steps, loss=1.0,
+                           compute_s=task.samples * 1e6 / s.context.cluster.devices[w].flops
+                           + task.local_steps * 2e-3,
+                           comm_s=0.001, arrival_s=0.0, probe=_probe(noise, task.batch_size)))
+
+
+def test_setup_plans_a_small_batch_on_the_devices_worth_their_links() -> None:
+    s = make_strategy("auto")
+    s.setup(_ctx(preset("hetero-8")))
+    plan = s.goodput_plan
+    # site-b is 5 ms + 5 ms and 12.5 MB/s away: at a small batch only site-a trains
+    assert plan.ps_site == "site-a" and plan.global_batch <= 32
+    assert set(plan.active) <= {0, 2, 4, 6} and 6 in plan.active
+    tasks = {w: s.next_task(w) for w in range(8)}
+    assert sum(tasks[w].samples for w in plan.active) == plan.global_batch * plan.local_steps
+    assert all(tasks[w].probe_noise for w in plan.active if tasks[w].batch_size >= 2)
+    assert s.lr_scale == pytest.approx(plan.lr_scale) and s.lr_scale <= 1.0
+
+
+def test_the_ps_moves_to_the_site_worth_training_in() -> None:
+    s = make_strategy("auto")
+    s.setup(_ctx(_two_sites(fast_far=True)))
+    assert s.ps_placement() == "far" and set(s.goodput_plan.active) == {1, 2, 3}
+    kept = make_strategy("auto", move_ps=False)
+    kept.setup(_ctx(_two_sites(fast_far=True)))
+    assert kept.ps_placement() == "home"
+
+
+def test_the_noise_scale_grows_the_batch_gradually_and_without_flapping() -> None:
+    s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1)
+    s.setup(_ctx(preset("hetero-4")))
+    g0 = s.global_batch
+    _run_rounds(s, 400, noise=4000.0)
+    gs = [g for _, g, _ in s.switches]
+    assert gs[0] == g0 and gs[-1] > g0
+    assert all(b <= 2 * a for a, b in itertools.pairwise(gs))   # at most x2 per switch
+    assert gs == sorted(gs)                                              # no flapping back
+    assert s.lr_scale <= s.max_lr_scale
+    assert s.noise.noise_scale == pytest.approx(4000.0, rel=1e-6)
+    # a noise scale that stays put: no more switches
+    n = len(s.switches)
+    _run_rounds(s, 200, noise=4000.0)
+    assert len(s.switches) <= n + 1
+
+
+def test_a_lost_worker_is_planned_out() -> None:
+    s = make_strategy("auto")
+    s.setup(_ctx(preset("hetero-4")))
+    assert 3 in s.goodput_plan.active
+    for w in range(4):
+        s.next_task(w)
+    s.on_worker_lost(3)
+    assert s.goodput_plan.shares[3] == 0 and sum(s.goodput_plan.shares) == s.samples_per_round
+
+
+def test_bad_options_are_one_line_errors() -> None:
+    for bad in ({"min_device_batch": 0}, {"local_step_penalty": 2.0}, {"hysteresis": -1.0},
+                {"max_batch_growth": 0.5}, {"replan_every_epochs": 0.0}):
+        with pytest.raises(ConfigError, match="strategy auto"):
+            make_strategy("auto", **bad)
+
+
+def _cfg(cluster, epochs: float = 3.0, target: float = 0.0, **options):
+    return config_from_dict({
+        "name": "t-auto", "cluster": cluster.to_dict() if isinstance(cluster, Cluster) else cluster,
+        "workload": {"model": "mlp", "dataset": "digits"},
+        "strategy": {"name": "auto", **options},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"batch_size": 16, "seed": 0, "eval_every_epochs": 0.5},
+        "stop": {"max_epochs": epochs, "target_accuracy": target}})
+
+
+def test_auto_trains_and_logs_the_noise_scale(digits_mlp) -> None:
+    prep = prepare(_cfg("hetero-4"), workload=digits_mlp)
+    r = Simulator(prep).run()
+    assert r.final_accuracy > 0.85
+    stats = r.summary["strategy_stats"]
+    assert stats["noise_probes"] > 100 and stats["noise_scale"] > 0
+    rows = r.rows[1:]
+    assert all("noise_scale" in row and row["global_batch"] >= 8 for row in rows)
+    assert rows[-1]["noise_scale"] is not None and rows[-1]["lr_scale"] <= 2.0
+
+
+def test_the_simulator_moves_the_ps_and_trains_where_the_plan_says(digits_mlp) -> None:
+    prep = prepare(_cfg(_two_sites(fast_far=True), epochs=1.0), workload=digits_mlp)
+    assert prep.cluster.ps_site == "far"
+    r = Simulator(prep).run()
+    pushes = [w["pushes"] for w in r.summary["workers"]]
+    assert pushes[0] <= 1 and min(pushes[1:]) > 20   # the slow home device only probed once
+
+
+def test_a_far_cluster_trains_on_the_fastest_device_alone(digits_mlp) -> None:
+    prep = prepare(_cfg(_two_sites(fast_far=False), epochs=1.0, move_ps=False),
+                   workload=digits_mlp)
+    r = Simulator(prep).run()
+    assert r.summary["strategy_stats"]["active_devices"] == 1
+    pushes = [w["pushes"] for w in r.summary["workers"]]
+    assert pushes[0] >= 4 and max(pushes[1:]) <= 1
