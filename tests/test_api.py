@@ -51,6 +51,7 @@ QUICK = dict(cluster="hetero-4", strategy="local_sgd", batch_size=16, max_epochs
 
 
 def test_user_model_and_dataset_train_on_the_simulator(tmp_path):
+    torch.manual_seed(0)  # an unseeded Tiny() started above 0.6 accuracy once in a while
     model = Tiny()
     before = [p.detach().clone() for p in model.parameters()]
     r = train(model, TRAIN, test_dataset=TEST, target_accuracy=0.9, runs_dir=tmp_path,

@@ -1,16 +1,66 @@
-"""`hetrain plan --cluster C --model M`: the AutoDDL plan per layer vs pure data parallel."""
+"""`hetrain plan`: the AutoDDL plan per layer vs pure data parallel (--cluster, --model), or the
+auto strategy's time-to-accuracy plan for a run config, explained in words (--goodput)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from hetrain.cli.output import Output
+from hetrain.config import StrategyConfig, load_config
+from hetrain.errors import ConfigError
 from hetrain.parallel.cli_plan import add_plan_arguments, plan_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="search a data/tensor/pipeline parallel plan (AutoDDL)",
+    p = sub.add_parser("plan", help="search a data/tensor/pipeline parallel plan (AutoDDL), or "
+                       "explain the auto strategy's plan for a config (--goodput)",
                        description="Search SBP placements per layer with the analytical cost "
                        "model and coordinate descent; print the plan, its predicted step time "
-                       "and memory, and the data-parallel baseline's.")
+                       "and memory, and the data-parallel baseline's. With --goodput [CONFIG]: "
+                       "the devices, PS site, global batch, local steps and lr the auto "
+                       "strategy starts with on that config (default: the demo), and why.")
     add_plan_arguments(p)
-    p.set_defaults(func=plan_from_args)
+    p.add_argument("--goodput", nargs="?", const="demo", default=None, metavar="CONFIG",
+                   help="explain the auto strategy's plan for a run config (default: the demo)")
+    p.add_argument("--noise-scale", type=float, default=0.0,
+                   help="--goodput: plan at this gradient noise scale (default: the prior, "
+                   "train.batch_size; a run measures it as it trains)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.goodput is None:
+        return plan_from_args(args)
+    return explain_goodput(args.goodput, args.noise_scale, as_json=args.json)
+
+
+def explain_goodput(config: str, noise_scale: float = 0.0, as_json: bool = False) -> int:
+    from hetrain.cli.run import demo_config
+    from hetrain.engine.setup import prepare
+    from hetrain.plan.goodput import explain, lone_goodput
+
+    if noise_scale < 0:
+        raise ConfigError(f"--noise-scale must be >= 0 (0: the prior), got {noise_scale}")
+    cfg = demo_config() if config == "demo" else load_config(config)
+    options = dict(cfg.strategy.options) if cfg.strategy.name == "auto" else {}
+    if noise_scale:
+        options["noise_scale"] = noise_scale
+    cfg = dataclasses.replace(cfg, strategy=StrategyConfig("auto", options))
+    prep = prepare(cfg)
+    strategy = prep.strategy
+    plan = strategy.goodput_plan
+    lone = lone_goodput(prep.ctx.cluster, strategy._stat(), strategy._grid,
+                        prep.ctx.flops_per_sample)
+    plan = dataclasses.replace(plan, alternatives={"fastest device alone": lone})
+    lines = explain(plan, prep.cluster, strategy._costs(), strategy.min_device_batch)
+    out = Output(quiet=False, as_json=as_json)
+    out.json({"ps_site": plan.ps_site, "global_batch": plan.global_batch,
+              "local_steps": plan.local_steps, "lr_scale": plan.lr_scale,
+              "devices": [prep.cluster.devices[j].name for j in plan.active],
+              "batches": list(plan.batches()), "goodput": plan.goodput,
+              "goodput_fastest_alone": lone, "explanation": lines})
+    out.print(f"auto plan for {cfg.name} on {prep.cluster.name}:")
+    for line in lines:
+        out.print(f"  {line}")
+    return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 from hetrain.cli.output import Output
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import load_run
-from hetrain.report.plots import plot_time_to_accuracy, plot_utilisation
+from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
 from hetrain.report.table import comparison_rows, comparison_table
 
 
@@ -31,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
     out.print(comparison_table(runs))
     tta = plot_time_to_accuracy(runs, out_dir / "time_to_accuracy.png")
     util = plot_utilisation(runs, out_dir / "utilisation.png")
-    out.print(f"plots: {tta}  {util}")
-    out.json({"runs": comparison_rows(runs), "plots": [str(tta), str(util)]})
+    plots = [tta, util, plot_noise_scale(runs, out_dir / "noise_scale.png")]
+    out.print("plots: " + "  ".join(str(p) for p in plots if p))
+    out.json({"runs": comparison_rows(runs), "plots": [str(p) for p in plots if p]})
     return 0

@@ -18,7 +18,7 @@ from hetrain.cluster import load_cluster
 from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
-from hetrain.report.plots import plot_time_to_accuracy, plot_utilisation
+from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
@@ -132,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
         report_dir.mkdir(parents=True, exist_ok=True)
         tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
         util = plot_utilisation(results, report_dir / "utilisation.png")
-        out.print(f"plots: {tta}  {util}")
+        noise = plot_noise_scale(results, report_dir / "noise_scale.png")
+        out.print("plots: " + "  ".join(str(p) for p in (tta, util, noise) if p))
     out.json([r.summary for r in results])
     return 0

@@ -77,8 +77,8 @@ def model_graph(model: str, batch: int, options: dict[str, str]) -> LayerGraph:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", required=True, help="preset name or cluster TOML file")
-    parser.add_argument("--model", required=True, help="gpt, vgg, mlp or cnn")
+    parser.add_argument("--cluster", help="preset name or cluster TOML file")
+    parser.add_argument("--model", help="gpt, vgg, mlp or cnn")
     parser.add_argument("--batch", type=int, default=32, help="global batch size (default 32)")
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                         help="model size, e.g. n_layer=12 n_embd=768 (gpt), width=32 (vgg)")
@@ -93,6 +93,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_from_args(args: argparse.Namespace) -> int:
+    if not args.cluster or not args.model:
+        raise ConfigError("hetrain plan needs --cluster and --model (a parallel plan), or "
+                          "--goodput [CONFIG] (the auto strategy's time-to-accuracy plan)")
     return plan_command(args.cluster, args.model, batch=args.batch, model_options=args.model_option,
                         pipeline=not args.no_pipeline, subsets=not args.no_subsets,
                         restarts=args.restarts, optimizer_states=args.optimizer_states,

@@ -399,31 +399,47 @@ def lone_goodput(cluster: Cluster, stat: StatModel, batches: Sequence[int],
                for b in batches)
 
 
-def explain(plan: GoodputPlan, cluster: Cluster, stat_note: str = "") -> list[str]:
-    """The plan in words: who trains, where the PS runs, and why the others sit out."""
+def explain(plan: GoodputPlan, cluster: Cluster, costs: Costs | None = None,
+            min_device_batch: int = 8) -> list[str]:
+    """The plan in words: who trains, where the PS runs, and why the others sit out (with
+    `costs`, a device is said to sit out for the batch floor when, finishing with the others,
+    it would run fewer than `min_device_batch` samples per step)."""
     active = set(plan.active)
     by_site: dict[str, list[int]] = {}
     for j, d in enumerate(cluster.devices):
         by_site.setdefault(d.site, []).append(j)
     lines = [f"global batch {plan.global_batch}, {plan.local_steps} local step(s) per average, "
-             f"lr x{plan.lr_scale:.2f} (AdaScale at noise scale {plan.noise_scale:.0f})"
-             + (f"; {stat_note}" if stat_note else ""),
+             f"lr x{plan.lr_scale:.2f} (AdaScale at noise scale {plan.noise_scale:.0f})",
              f"parameter server in site {plan.ps_site}; {len(active)} of {cluster.n} devices "
              f"train; predicted {plan.samples_per_s:.0f} samples/s at statistical efficiency "
              f"{plan.efficiency:.2f} (goodput {plan.goodput:.0f})"]
     placed = _with_ps(cluster, plan.ps_site)
+
+    def floor_bound(j: int) -> bool:
+        if costs is None or plan.local_steps == 1 or len(active) < 2:
+            return False
+        free = plan.round_s - costs.comm_s[j] - plan.local_steps * costs.overhead_s[j]
+        return free / costs.per_sample_s[j] / plan.local_steps < min_device_batch
+
     for site, members in by_site.items():
         out = [j for j in members if j not in active]
         if not out:
             continue
         rtt_ms = 2e3 * placed.ps_link(out[0]).latency_s
-        if len(out) == len(members):
+        floor = [j for j in out if floor_bound(j)]
+        rest = [j for j in out if j not in floor]
+        if len(out) == len(members) and not floor:
             lines.append(f"site {site} left out: its {rtt_ms:.0f} ms round trip to the PS costs "
                          f"more than its compute adds at global batch {plan.global_batch}")
-        else:
-            names = ", ".join(cluster.devices[j].name for j in out)
-            lines.append(f"in site {site}, {names} sit out: a share large enough to pay for "
-                         f"their round trip would make them the slowest")
+            continue
+        if floor:
+            names = ", ".join(cluster.devices[j].name for j in floor)
+            lines.append(f"in site {site}, {names} sit out: finishing with the others they "
+                         f"would run fewer than {min_device_batch} samples per local step")
+        if rest:
+            names = ", ".join(cluster.devices[j].name for j in rest)
+            lines.append(f"in site {site}, {names} sit out: paying for their {rtt_ms:.0f} ms "
+                         f"round trip and step overhead would make them the slowest")
     for name, goodput in plan.alternatives.items():
         lines.append(f"predicted {plan.goodput / goodput:.2f}x the goodput of the {name}")
     return lines

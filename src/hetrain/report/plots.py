@@ -63,3 +63,29 @@ def plot_utilisation(runs: list[RunResult], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_noise_scale(runs: list[RunResult], path: Path) -> Path | None:
+    """The gradient noise scale a run measured and the global batch it trained with, against
+    time (runs whose strategy logs them, e.g. auto); None when no run does."""
+    logged = [r for r in runs if any(row.get("noise_scale") is not None for row in r.rows)]
+    if not logged:
+        return None
+    fig, (ax_noise, ax_batch) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in logged:
+        rows = [row for row in r.rows if row.get("noise_scale") is not None]
+        t = [row["time_s"] for row in rows]
+        ax_noise.plot(t, [row["noise_scale"] for row in rows], marker=".", label=_label(r))
+        ax_batch.step([row["time_s"] for row in r.rows],
+                      [row.get("global_batch") for row in r.rows], where="post", label=_label(r))
+    simulated = all(r.summary.get("engine") == "sim" for r in logged)
+    clock = "virtual time (s, simulated)" if simulated else "time (s)"
+    ax_noise.set(xlabel=clock, ylabel="samples", yscale="log",
+                 title="gradient noise scale (measured)")
+    ax_batch.set(xlabel=clock, ylabel="samples per step", yscale="log",
+                 title="global batch of the plan")
+    ax_noise.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
