@@ -19,7 +19,7 @@ TTA is infinite (so a ratio is 0 when auto misses, inf when the other misses), a
 count is shown. Final accuracy is the mean of a run's last 5 evaluations (one evaluation is
 noisy). The planner's predicted speed-up: over auto's run up to its TTA, the time-weighted mean
 of the goodput model's ratio auto plan / tuned lone device (hetrain.plan.goodput) at the noise
-scale auto measured at that time.
+scale auto planned with at that time.
 Writes benchmarks/results/<--out, default goodput>.{json,md}.
 """
 
@@ -83,8 +83,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         cfg = fastest_alone(cfg)
     t0 = time.perf_counter()
     r = run_config(cfg, runs_root=None)
-    rows = [{k: row.get(k) for k in ("time_s", "test_accuracy", "noise_scale", "global_batch",
-                                     "local_steps")} for row in r.rows]
+    rows = [{k: row.get(k) for k in ("time_s", "test_accuracy", "noise_scale",
+                                     "planned_noise_scale", "global_batch", "local_steps")}
+            for row in r.rows]
     return {**job, "wall_s": time.perf_counter() - t0, "rows": rows,
             "strategy_stats": r.summary["strategy_stats"]}
 
@@ -134,7 +135,7 @@ def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], clu
     for a, b in itertools.pairwise(rows):
         if a["time_s"] >= end or a["global_batch"] is None:
             break
-        stat = StatModel(a["noise_scale"] or BASE_BATCH, BASE_BATCH, 0.5, 8, 2.0)
+        stat = StatModel(a["planned_noise_scale"] or BASE_BATCH, BASE_BATCH, 0.5, 8, 2.0)
         plan = best_for(costs, stat, a["global_batch"], a["local_steps"])
         if plan is None:
             continue

@@ -117,6 +117,7 @@ class Auto(CADP):
         self.noise = GradientNoiseScale(self.noise_ema_weight)
         self._prior = self.noise_scale or float(ctx.batch_size)
         self._base_batch = ctx.batch_size
+        self._last_noise: float | None = None
         hi = self.max_batch or max(self.min_batch, ctx.train_samples // 16)
         self._grid = batch_grid(min(self.min_batch, hi), hi)
         self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
@@ -143,8 +144,12 @@ class Auto(CADP):
     def _stat(self) -> StatModel:
         """The statistical model at the current noise estimate (the prior before any probe)."""
         measured = self.noise.noise_scale if self.noise.probes >= self.min_probes else None
-        return StatModel(measured or self._prior, self._base_batch, self.local_step_penalty,
-                         self.min_device_batch, self.max_lr_scale)
+        if measured is not None:
+            self._last_noise = measured
+        # an estimate that dips to none (the |G|^2 average briefly <= 0 near an optimum, where
+        # the probes are mostly noise) keeps the last one rather than falling back to the prior
+        return StatModel(self._last_noise or self._prior, self._base_batch,
+                         self.local_step_penalty, self.min_device_batch, self.max_lr_scale)
 
     def _costs(self) -> Costs:
         """The round costs to plan with: the model's links, measured compute per sample."""
@@ -225,6 +230,7 @@ class Auto(CADP):
     def metrics(self) -> dict[str, float | int | None]:
         plan = self.goodput_plan
         return {"noise_scale": self.noise.noise_scale,
+                "planned_noise_scale": plan.noise_scale if plan else None,
                 "global_batch": plan.global_batch if plan else None,
                 "local_steps": plan.local_steps if plan else None,
                 "lr_scale": plan.lr_scale if plan else None}
