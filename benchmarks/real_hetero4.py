@@ -31,6 +31,7 @@ import real_deepspeed
 import real_torchft
 from real_peers import PeerRun, run_peer
 
+from hetrain.cli.run import fastest_alone
 from hetrain.cluster import Cluster, preset
 from hetrain.config import RunConfig, config_from_dict
 from hetrain.engine.setup import prepare
@@ -41,7 +42,9 @@ from hetrain.strategies import REGISTRY
 from hetrain.workloads import flops_per_sample, get_workload
 
 RESULTS = Path(__file__).parent / "results"
-HETRAIN = ("cadp", "ashl", "ddp")
+HETRAIN = ("auto", "cadp", "ashl", "ddp", "fastest-alone")
+FASTEST_ALONE = "fastest-alone"
+"""The fastest device (4x) training by itself: one real worker process, no communication."""
 PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_steps": 8}),
          "deepspeed_zero0": ("ddp", {}), "deepspeed_zero1": ("ddp", {}),
          "torchft_localsgd": ("local_sgd", {"local_steps": 8}),
@@ -52,24 +55,28 @@ PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_s
 
 def config(strategy: str, options: dict[str, Any], seed: int, args: argparse.Namespace,
            engine: str) -> RunConfig:
-    return config_from_dict({
+    lone = strategy == FASTEST_ALONE
+    cfg = config_from_dict({
         "name": f"real-hetero4-{strategy}-s{seed}", "engine": engine, "cluster": "hetero-4",
         "workload": {"model": "cnn", "dataset": "mnist1d"},
-        "strategy": {"name": strategy, **options},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "train": {"batch_size": 32, "seed": seed, "eval_every_epochs": 0.1},
+        "strategy": {"name": "ddp" if lone else strategy, **options},
+        "optimizer": {"name": "sgd", "lr": args.lone_lr if lone else 0.05, "momentum": 0.9},
+        "train": {"batch_size": args.lone_batch if lone else 32, "seed": seed,
+                  "eval_every_epochs": 0.1},
         "stop": {"max_epochs": args.max_epochs, "target_accuracy": args.target,
                  "stop_at_target": True},
         "dist": {"time_scale": args.time_scale, "worker_timeout_s": 120.0}})
+    return fastest_alone(cfg) if lone else cfg
 
 
 def predicted_s(strategy: str, options: dict[str, Any], seed: int,
                 args: argparse.Namespace, clock: Cluster | None = None) -> float | None:
     """The simulator's TTA (real seconds). The strategy plans from the nominal cluster, as
     in the real run; `clock` (the calibrated cluster) only times it."""
-    prep = prepare(config(strategy, options, seed, args, "sim"))
-    if clock is not None:
-        prep = replace(prep, cluster=clock)
+    cfg = config(strategy, options, seed, args, "sim")
+    prep = prepare(cfg)
+    if clock is not None and strategy != FASTEST_ALONE:
+        prep = replace(prep, cluster=replace(clock, ps_site=prep.cluster.ps_site))
     tta = simulate(prep, None, None).summary["tta_s"]
     return None if tta is None else tta * args.time_scale
 
@@ -81,6 +88,9 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.7)
     ap.add_argument("--max-epochs", type=float, default=6.0)
     ap.add_argument("--systems", default="", help="comma list (default: all available)")
+    ap.add_argument("--lone-batch", type=int, default=32,
+                    help="batch of the fastest device alone (its tuned one, benchmarks/goodput)")
+    ap.add_argument("--lone-lr", type=float, default=0.05, help="lr of the fastest device alone")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     notes = []
@@ -93,7 +103,7 @@ def main() -> int:
     if why:
         peers = [p for p in peers if p not in real_torchft.SYSTEMS]
         notes.append(f"torchft peers skipped: {why}.")
-    systems = [s for s in HETRAIN if s in REGISTRY] + peers
+    systems = [s for s in HETRAIN if s in REGISTRY or s == FASTEST_ALONE] + peers
     if args.systems:
         systems = [s for s in args.systems.split(",") if s in systems]
     wl = get_workload("cnn", "mnist1d")
@@ -125,7 +135,7 @@ def main() -> int:
                        "epochs": s["epochs"], "time_s": s["time_s"],
                        "overruns": sum(s["emulation_overruns"]),
                        "hardware_efficiency": s["hardware_efficiency"]}
-            comm = REGISTRY[strategy].comm
+            comm = REGISTRY["ddp" if strategy == FASTEST_ALONE else strategy].comm
             row.update(system=system, seed=seed, wall_s=time.time() - t,
                        predicted_tta_s=predicted_s(strategy, options, seed, args),
                        calibrated_predicted_tta_s=predicted_s(strategy, options, seed, args,
