@@ -1,26 +1,31 @@
 """`auto` (goodput planning) against the cluster's fastest device alone, tuned, and DDP (simulated).
 
-    .venv/bin/python benchmarks/goodput.py [--clusters hetero-4 hetero-8 geo-16 lab-6]
-        [--select-seeds 0 1 2] [--report-seeds 3 4 5] [--epochs 5] [--jobs 2]
+    .venv/bin/python benchmarks/goodput.py [--workload mnist1d-cnn|text-gpt]
+        [--clusters hetero-4 hetero-8 geo-16 lab-6] [--select-seeds 0 1 2]
+        [--report-seeds 3 4 5] [--epochs E] [--jobs 2] [--from-json RESULTS.json]
 
-MNIST-1D CNN on the simulator (virtual clock, real gradients), every run evaluated every
-0.5 virtual seconds (the same time granularity for a lone device and a cluster), targets 85%
-and 90% test accuracy. Systems:
-  * auto: its DEFAULT settings (train.batch_size 32, SGD lr 0.05 momentum 0.9), no tuning;
+On the simulator (virtual clock, real gradients), every run evaluated every 0.5 virtual
+seconds (the same time granularity for a lone device and a cluster). Workloads: the MNIST-1D
+CNN (SGD lr 0.05 momentum 0.9, targets 85% and 90% test accuracy, 5 epochs) and the tiny GPT
+on the text corpus (AdamW lr 3e-3, targets test loss 2.6 and 2.4, 1.5 epochs); batch 32.
+Systems:
+  * auto: its DEFAULT settings at the workload's base batch and lr, no tuning;
   * ddp: its defaults on the whole cluster;
-  * the fastest device alone (plain SGD on one device, no communication), TUNED: batch
-    {8, 16, 32, 64} x lr {0.025, 0.05, 0.1} on the selection seeds (runs stop at the high
-    target or 30 virtual s), one setting picked per target: the lowest median TTA over the
-    selection seeds, settings that miss the target on any selection seed ranked after those
-    that never miss. Identical lone devices (hetero-8 and geo-16 share one) are tuned once.
+  * the fastest device alone (plain training on one device, no communication), TUNED: batch
+    {8, 16, 32, 64} x lr {0.5, 1, 2} x the base lr on the selection seeds (runs stop at the
+    harder target or the workload's time limit), one setting picked per target: the lowest
+    median TTA over the selection seeds, settings that miss the target on any selection seed
+    ranked after those that never miss. Identical lone devices (hetero-8 and geo-16 share one)
+    are tuned once.
 Reported on the held-out seeds only: per seed, lone TTA / auto TTA and ddp TTA / auto TTA; the
 median and min-max over seeds. Policy for a seed that misses a target within the epochs: its
 TTA is infinite (so a ratio is 0 when auto misses, inf when the other misses), and the miss
-count is shown. Final accuracy is the mean of a run's last 5 evaluations (one evaluation is
-noisy). The planner's predicted speed-up: over auto's run up to its TTA, the time-weighted mean
-of the goodput model's ratio auto plan / tuned lone device (hetrain.plan.goodput) at the noise
-scale auto planned with at that time.
-Writes benchmarks/results/<--out, default goodput>.{json,md}.
+count is shown. The final metric is the mean of a run's last 5 evaluations (one evaluation is
+noisy); the gap is auto minus lone (accuracy points, or loss). The planner's predicted speed-up:
+over auto's run up to its TTA, the time-weighted mean of the goodput model's ratio auto plan /
+tuned lone device (hetrain.plan.goodput) at the noise scale auto planned with at that time.
+Writes benchmarks/results/<--out, default goodput or goodput_gpt>.{json,md}; --from-json
+re-summarises a saved results file without running anything.
 """
 
 from __future__ import annotations
@@ -38,11 +43,22 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).parent / "results"
-TARGETS = (0.85, 0.90)
 EVAL_EVERY_S = 0.5
 LONE_BATCHES = (8, 16, 32, 64)
-LONE_LRS = (0.025, 0.05, 0.1)
-BASE_LR, BASE_BATCH = 0.05, 32
+LONE_LR_FACTORS = (0.5, 1.0, 2.0)
+BASE_BATCH = 32
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "mnist1d-cnn": {"workload": {"model": "cnn", "dataset": "mnist1d"},
+                    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                    "metric": "accuracy", "targets": (0.85, 0.90), "epochs": 5.0,
+                    "select_time_s": 30.0, "out": "goodput"},
+    "text-gpt": {"workload": {"model": "gpt", "dataset": "text",
+                              "dataset_options": {"max_chars": 300_000, "block_size": 32}},
+                 "optimizer": {"name": "adamw", "lr": 3e-3},
+                 "metric": "loss", "targets": (2.6, 2.4), "epochs": 1.5,
+                 "select_time_s": 120.0, "out": "goodput_gpt"},
+}
+"""metric "loss": a target is reached when the test loss is at most it (lower is better)."""
 LAB_6: dict[str, Any] = {
     # Not a preset: two fast GPUs in a lab, four slower cloud GPUs; the cluster file puts the
     # PS (and the data) in the cloud site, 20 ms and 1 Gbit/s away from the lab.
@@ -70,32 +86,37 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     from hetrain.runner import run_config
 
     torch.set_num_threads(1)
+    spec = WORKLOADS[job["workload"]]
     alone = job["system"] == "lone"
+    target_key = "target_accuracy" if spec["metric"] == "accuracy" else "target_loss"
     cfg = config_from_dict({
         "name": "bench", "cluster": cluster_spec(job["cluster"]),
-        "workload": {"model": "cnn", "dataset": "mnist1d"},
+        "workload": spec["workload"],
         "strategy": {"name": "ddp" if alone else job["system"]},
-        "optimizer": {"name": "sgd", "lr": job["lr"], "momentum": 0.9},
+        "optimizer": {**spec["optimizer"], "lr": job["lr"]},
         "train": {"batch_size": job["batch"], "seed": job["seed"], "eval_every_s": EVAL_EVERY_S},
-        "stop": {"max_epochs": job["epochs"], "target_accuracy": job["stop_target"],
+        "stop": {"max_epochs": job["epochs"], target_key: job["stop_target"],
                  "stop_at_target": job["stop_target"] > 0, "max_time_s": job["max_time_s"]}})
     if alone:
         cfg = fastest_alone(cfg)
     t0 = time.perf_counter()
     r = run_config(cfg, runs_root=None)
-    rows = [{k: row.get(k) for k in ("time_s", "test_accuracy", "noise_scale",
+    rows = [{k: row.get(k) for k in ("time_s", "test_accuracy", "test_loss", "noise_scale",
                                      "planned_noise_scale", "global_batch", "local_steps")}
             for row in r.rows]
     return {**job, "wall_s": time.perf_counter() - t0, "rows": rows,
             "strategy_stats": r.summary["strategy_stats"]}
 
 
-def tta(rows: list[dict[str, Any]], target: float) -> float:
-    return next((r["time_s"] for r in rows if r["test_accuracy"] >= target), math.inf)
+def tta(rows: list[dict[str, Any]], target: float, metric: str = "accuracy") -> float:
+    if metric == "accuracy":
+        return next((r["time_s"] for r in rows if r["test_accuracy"] >= target), math.inf)
+    return next((r["time_s"] for r in rows if r["test_loss"] <= target), math.inf)
 
 
-def final_accuracy(rows: list[dict[str, Any]]) -> float:
-    return statistics.mean(r["test_accuracy"] for r in rows[-5:])
+def final_metric(rows: list[dict[str, Any]], metric: str = "accuracy") -> float:
+    key = "test_accuracy" if metric == "accuracy" else "test_loss"
+    return statistics.mean(r[key] for r in rows[-5:])
 
 
 def lone_key(cluster: str) -> str:
@@ -106,42 +127,50 @@ def lone_key(cluster: str) -> str:
     return f"{d.flops:g}-{d.step_overhead_s:g}"
 
 
-def pick(runs: list[dict[str, Any]], target: float) -> tuple[int, float]:
-    """The tuned lone setting for `target` (see the module docstring)."""
+def pick(selection: list[dict[str, Any]], target: float) -> tuple[int, float]:
+    """The tuned lone setting for `target` (see the module docstring), from selection records
+    {batch, lr, tta_s: {str(target): seconds}}."""
     by: dict[tuple[int, float], list[float]] = {}
-    for r in runs:
-        by.setdefault((r["batch"], r["lr"]), []).append(tta(r["rows"], target))
+    for r in selection:
+        by.setdefault((r["batch"], r["lr"]), []).append(float(r["tta_s"][str(target)]))
     return min(by, key=lambda k: (sum(math.isinf(x) for x in by[k]), statistics.median(by[k])))
 
 
 def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], cluster: str,
-                      target: float) -> float | None:
+                      target: float, workload: str) -> float | None:
     """Time-weighted mean of the model's goodput ratio over auto's run up to its TTA."""
     from hetrain.cluster import load_cluster
     from hetrain.engine.core import model_bytes
     from hetrain.plan.goodput import StatModel, best_for, cluster_costs
     from hetrain.workloads import flops_per_sample, get_workload
 
-    wl = get_workload("cnn", "mnist1d")
+    spec = WORKLOADS[workload]
+    w = spec["workload"]
+    wl = get_workload(w["model"], w["dataset"], dataset_options=w.get("dataset_options", {}))
     fps, mb = flops_per_sample(wl), model_bytes(wl.build_model())
+    base_lr = spec["optimizer"]["lr"]
+    exponent = 1.0 if spec["optimizer"]["name"] == "sgd" else 0.5
     cl = load_cluster(cluster_spec(cluster))
     st = auto["strategy_stats"]
     costs = cluster_costs(cl, st["ps_site"], fps, mb)
     lone = max(cl.devices, key=lambda d: d.flops)
     batch, lr = lone_setting
-    end = tta(auto["rows"], target)
+    end = tta(auto["rows"], target, spec["metric"])
     num = den = 0.0
-    rows = auto["rows"]
-    for a, b in itertools.pairwise(rows):
+    for a, b in itertools.pairwise(auto["rows"]):
         if a["time_s"] >= end or a["global_batch"] is None:
             break
-        stat = StatModel(a["planned_noise_scale"] or BASE_BATCH, BASE_BATCH, 0.5, 8, 2.0)
+        noise = a.get("planned_noise_scale") or BASE_BATCH
+        stat = StatModel(noise, BASE_BATCH, 0.5, 8, 2.0, exponent)
         plan = best_for(costs, stat, a["global_batch"], a["local_steps"])
         if plan is None:
             continue
         lone_sps = batch / lone.compute_time_s(batch, fps)
-        # the lone device's progress per sample: its lr gain over the base, at most AdaScale's
-        lone_gain = min(lr / BASE_LR, stat.lr_scale(batch) if lr > BASE_LR else lr / BASE_LR)
+        # the lone device's progress per sample: a step moves by its lr (over the base, in
+        # AdaScale's units), and never more than the batch's AdaScale gain allows
+        gain = StatModel(noise, BASE_BATCH, lr_exponent=exponent).lr_scale(batch) \
+            ** (1 / exponent)
+        lone_gain = min((lr / base_lr) ** (1 / exponent), gain)
         lone_goodput = lone_sps * lone_gain * BASE_BATCH / batch
         dt = b["time_s"] - a["time_s"]
         num += dt * plan.goodput / lone_goodput
@@ -173,29 +202,56 @@ def ratio(num: float, den: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mnist1d-cnn")
     ap.add_argument("--clusters", nargs="+", default=["hetero-4", "hetero-8", "geo-16", "lab-6"])
     ap.add_argument("--select-seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--report-seeds", nargs="+", type=int, default=[3, 4, 5])
-    ap.add_argument("--epochs", type=float, default=5.0)
+    ap.add_argument("--epochs", type=float, default=0.0, help="0: the workload's default")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--out", default="goodput")
+    ap.add_argument("--out", default="", help="results name (default: the workload's)")
+    ap.add_argument("--from-json", default="", help="re-summarise this results file")
     args = ap.parse_args()
-    command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        data.setdefault("workload", "mnist1d-cnn")
+        data["resummarised"] = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+    else:
+        data = run_all(args)
+    data["cells"] = summarise(data)
+    spec = WORKLOADS[data["workload"]]
+    out = args.out or spec["out"]
+    OUT.mkdir(exist_ok=True)
+    (OUT / f"{out}.json").write_text(json.dumps(data, indent=1, default=str))
+    text = markdown(data)
+    (OUT / f"{out}.md").write_text(text)
+    print(text)
 
-    def job(system: str, cluster: str, seed: int, batch: int = BASE_BATCH, lr: float = BASE_LR,
-            select: bool = False) -> dict[str, Any]:
-        return {"system": system, "cluster": cluster, "seed": seed, "batch": batch, "lr": lr,
-                "epochs": args.epochs, "stop_target": max(TARGETS) if select else 0.0,
-                "max_time_s": 30.0 if select else 0.0}
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    spec = WORKLOADS[args.workload]
+    targets, metric = spec["targets"], spec["metric"]
+    harder = max(targets) if metric == "accuracy" else min(targets)
+    base_lr = spec["optimizer"]["lr"]
+    epochs = args.epochs or spec["epochs"]
+
+    def job(system: str, cluster: str, seed: int, batch: int = BASE_BATCH,
+            lr: float = base_lr, select: bool = False) -> dict[str, Any]:
+        return {"system": system, "workload": args.workload, "cluster": cluster, "seed": seed,
+                "batch": batch, "lr": lr, "epochs": epochs,
+                "stop_target": harder if select else 0.0,
+                "max_time_s": spec["select_time_s"] if select else 0.0}
 
     pool = ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"))
     lone_of = {c: lone_key(c) for c in args.clusters}
     first = {k: next(c for c in args.clusters if lone_of[c] == k) for k in set(lone_of.values())}
+    lrs = [base_lr * f for f in LONE_LR_FACTORS]
     select_jobs = [job("lone", first[k], s, b, lr, select=True) for k in sorted(first)
-                   for b in LONE_BATCHES for lr in LONE_LRS for s in args.select_seeds]
-    selection = list(pool.map(run_job, select_jobs))
+                   for b in LONE_BATCHES for lr in lrs for s in args.select_seeds]
+    selection = [{k: r[k] for k in ("cluster", "seed", "batch", "lr")}
+                 | {"tta_s": {str(t): tta(r["rows"], t, metric) for t in targets}}
+                 for r in pool.map(run_job, select_jobs)]
     picks = {k: {t: pick([r for r in selection if lone_of[r["cluster"]] == k], t)
-                 for t in TARGETS} for k in first}
+                 for t in targets} for k in first}
     report_jobs = [job(s, c, seed) for c in args.clusters for s in ("auto", "ddp")
                    for seed in args.report_seeds]
     lone_settings = {(k, setting) for k in picks for setting in picks[k].values()}
@@ -203,78 +259,103 @@ def main() -> None:
                     for seed in args.report_seeds]
     report = list(pool.map(run_job, report_jobs))
     pool.shutdown()
+    return {"command": "python benchmarks/goodput.py " + " ".join(sys.argv[1:]),
+            "workload": args.workload, "clusters": args.clusters,
+            "select_seeds": args.select_seeds, "report_seeds": args.report_seeds,
+            "epochs": epochs, "eval_every_s": EVAL_EVERY_S,
+            "lone_grid": {"batch": LONE_BATCHES, "lr": lrs},
+            "selection": selection, "runs": report}
+
+
+def summarise(data: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = WORKLOADS[data["workload"]]
+    targets, metric = spec["targets"], spec["metric"]
+    report, seeds = data["runs"], data["report_seeds"]
+    clusters = data.get("clusters") or list(dict.fromkeys(r["cluster"] for r in report
+                                                          if r["system"] != "lone"))
+    lone_of = {c: lone_key(c) for c in clusters}
 
     def get(system: str, cluster: str, seed: int, setting: tuple[int, float] | None = None):
         for r in report:
             if r["system"] != system or r["seed"] != seed:
                 continue
-            if system == "lone" and lone_of[r["cluster"]] == lone_of[cluster] \
+            if system == "lone" and lone_of.get(r["cluster"]) == lone_of[cluster] \
                     and (r["batch"], r["lr"]) == setting:
                 return r
             if system != "lone" and r["cluster"] == cluster:
                 return r
         raise KeyError((system, cluster, seed, setting))
 
+    def t_of(run: dict[str, Any], t: float) -> float:
+        return tta(run["rows"], t, metric)
+
+    def final(run: dict[str, Any]) -> float:
+        return final_metric(run["rows"], metric)
+
+    scale = 100.0 if metric == "accuracy" else 1.0
     cells = []
-    for c in args.clusters:
-        for t in TARGETS:
-            setting = picks[lone_of[c]][t]
-            autos = [get("auto", c, s) for s in args.report_seeds]
-            lones = [get("lone", c, s, setting) for s in args.report_seeds]
-            ddps = [get("ddp", c, s) for s in args.report_seeds]
+    for c in clusters:
+        for t in targets:
+            mine = [r for r in data["selection"] if lone_key(r["cluster"]) == lone_of[c]]
+            setting = pick(mine, t)
+            autos = [get("auto", c, s) for s in seeds]
+            lones = [get("lone", c, s, setting) for s in seeds]
+            ddps = [get("ddp", c, s) for s in seeds]
             cells.append({
-                "cluster": c, "workload": "mnist1d-cnn", "target": t,
+                "cluster": c, "workload": data["workload"], "target": t, "metric": metric,
                 "lone_setting": {"batch": setting[0], "lr": setting[1]},
-                "auto_tta_s": summ([tta(a["rows"], t) for a in autos]),
-                "lone_tta_s": summ([tta(x["rows"], t) for x in lones]),
-                "ddp_tta_s": summ([tta(x["rows"], t) for x in ddps]),
-                "auto_vs_lone": summ([ratio(tta(x["rows"], t), tta(a["rows"], t))
+                "auto_tta_s": summ([t_of(a, t) for a in autos]),
+                "lone_tta_s": summ([t_of(x, t) for x in lones]),
+                "ddp_tta_s": summ([t_of(x, t) for x in ddps]),
+                "auto_vs_lone": summ([ratio(t_of(x, t), t_of(a, t))
                                       for a, x in zip(autos, lones, strict=True)]),
-                "auto_vs_ddp": summ([ratio(tta(x["rows"], t), tta(a["rows"], t))
+                "auto_vs_ddp": summ([ratio(t_of(x, t), t_of(a, t))
                                      for a, x in zip(autos, ddps, strict=True)]),
-                "predicted_vs_lone": summ([predicted_vs_lone(a, setting, c, t) for a in autos]),
-                "auto_misses": sum(math.isinf(tta(a["rows"], t)) for a in autos),
-                "lone_misses": sum(math.isinf(tta(x["rows"], t)) for x in lones),
-                "final_accuracy_auto": summ([final_accuracy(a["rows"]) for a in autos]),
-                "final_accuracy_lone": summ([final_accuracy(x["rows"]) for x in lones]),
-                "final_gap_points": summ([100 * (final_accuracy(a["rows"])
-                                                 - final_accuracy(x["rows"]))
-                                          for a, x in zip(autos, lones, strict=True)]),
+                "predicted_vs_lone": summ([predicted_vs_lone(a, setting, c, t, data["workload"])
+                                           for a in autos]),
+                "auto_misses": sum(math.isinf(t_of(a, t)) for a in autos),
+                "lone_misses": sum(math.isinf(t_of(x, t)) for x in lones),
+                "final_auto": summ([final(a) for a in autos]),
+                "final_lone": summ([final(x) for x in lones]),
+                "final_gap": summ([scale * (final(a) - final(x))
+                                   for a, x in zip(autos, lones, strict=True)]),
                 "auto_plans": [a["strategy_stats"].get("plans") for a in autos],
                 "auto_ps_site": [a["strategy_stats"].get("ps_site") for a in autos],
             })
-    OUT.mkdir(exist_ok=True)
-    data = {"command": command, "select_seeds": args.select_seeds,
-            "report_seeds": args.report_seeds, "epochs": args.epochs,
-            "eval_every_s": EVAL_EVERY_S, "lone_grid": {"batch": LONE_BATCHES, "lr": LONE_LRS},
-            "cells": cells,
-            "selection": [{k: r[k] for k in ("cluster", "seed", "batch", "lr")}
-                          | {"tta_s": {str(t): tta(r["rows"], t) for t in TARGETS}}
-                          for r in selection],
-            "runs": [{k: v for k, v in r.items()} for r in report]}
-    (OUT / f"{args.out}.json").write_text(json.dumps(data, indent=1, default=str))
-    lines = ["# auto vs the tuned fastest device alone and DDP (simulated, MNIST-1D CNN)\n",
-             f"Command: `{command}`\n",
-             f"Held-out seeds {args.report_seeds} (lone device tuned on {args.select_seeds}); "
-             f"median (min-max); evaluation every {EVAL_EVERY_S} virtual s.\n",
-             "| cluster | target | auto vs lone | predicted | auto vs ddp | auto TTA s | lone TTA s "
-             "(batch, lr) | misses auto/lone | final acc auto / lone | gap pts |",
+    return cells
+
+
+def markdown(data: dict[str, Any]) -> str:
+    spec = WORKLOADS[data["workload"]]
+    metric, cells = spec["metric"], data["cells"]
+    what = "accuracy" if metric == "accuracy" else "test loss"
+    gap = "gap pts" if metric == "accuracy" else "gap (loss)"
+    lines = [f"# auto vs the tuned fastest device alone and DDP (simulated, {data['workload']})\n",
+             f"Command: `{data['command']}`"
+             + (f" (re-summarised: `{data['resummarised']}`)" if "resummarised" in data else "")
+             + "\n",
+             f"Held-out seeds {data['report_seeds']} (the lone device tuned on "
+             f"{data['select_seeds']}); median (min-max); every run evaluated every "
+             f"{data['eval_every_s']} virtual s; {data['epochs']} epochs. Ratios are the other "
+             "system's TTA / auto's per seed; a seed that misses counts as infinite TTA. Final "
+             f"{what}: mean of the last 5 evaluations; gap = auto - lone.\n",
+             f"| cluster | target {what} | auto vs lone | predicted | auto vs ddp | auto TTA s | "
+             f"lone TTA s (batch, lr) | misses auto/lone | final auto / lone | {gap} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for cell in cells:
         ls = cell["lone_setting"]
         lines.append(
-            f"| {cell['cluster']} | {cell['target']:.2f} | **{fmt(cell['auto_vs_lone'])}** | "
+            f"| {cell['cluster']} | {cell['target']:g} | **{fmt(cell['auto_vs_lone'])}** | "
             f"{fmt(cell['predicted_vs_lone'])} | {fmt(cell['auto_vs_ddp'])} | "
             f"{fmt(cell['auto_tta_s'], 1)} | {fmt(cell['lone_tta_s'], 1)} ({ls['batch']}, "
-            f"{ls['lr']}) | {cell['auto_misses']}/{cell['lone_misses']} | "
-            f"{fmt(cell['final_accuracy_auto'], 3)} / {fmt(cell['final_accuracy_lone'], 3)} | "
-            f"{fmt(cell['final_gap_points'], 1)} |")
+            f"{ls['lr']:g}) | {cell['auto_misses']}/{cell['lone_misses']} | "
+            f"{fmt(cell['final_auto'], 3)} / {fmt(cell['final_lone'], 3)} | "
+            f"{fmt(cell['final_gap'], 2)} |")
     lines.append("\nauto's plans per held-out seed (epoch:G x H):\n")
-    for cell in cells[::len(TARGETS)]:
+    for cell in cells[::len(spec["targets"])]:
         lines.append(f"- {cell['cluster']}: PS in {cell['auto_ps_site'][0]}; "
                      + " | ".join(str(p) for p in cell["auto_plans"]))
-    (OUT / f"{args.out}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -89,6 +89,17 @@ def test_the_noise_scale_grows_the_batch_gradually_and_without_flapping() -> Non
     assert len(s.switches) <= n + 1
 
 
+def test_adam_scales_the_lr_by_the_square_root_of_the_gain() -> None:
+    from dataclasses import replace
+
+    sgd, adam = make_strategy("auto", noise_scale=1e6), make_strategy("auto", noise_scale=1e6)
+    sgd.setup(_ctx(preset("hetero-4")))
+    adam.setup(replace(_ctx(preset("hetero-4")), optimizer="adamw"))
+    g = sgd.global_batch
+    assert sgd.lr_scale == pytest.approx(min(2.0, g / 32), rel=1e-3)
+    assert adam.lr_scale == pytest.approx(min(2.0, (adam.global_batch / 32) ** 0.5), rel=1e-3)
+
+
 def test_a_lost_worker_is_planned_out() -> None:
     s = make_strategy("auto")
     s.setup(_ctx(preset("hetero-4")))

@@ -46,7 +46,8 @@ def prepare(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     probe = workload.build_model()
     ctx = RunContext(cluster=cluster, flops_per_sample=flops_per_sample(workload),
                      model_bytes=model_bytes(probe), sample_bytes=workload.sample_bytes,
-                     train_samples=n_train, batch_size=cfg.train.batch_size, lr=cfg.optimizer.lr)
+                     train_samples=n_train, batch_size=cfg.train.batch_size, lr=cfg.optimizer.lr,
+                     optimizer=cfg.optimizer.name)
     strategy.setup(ctx)
     site = strategy.ps_placement()
     if site and site != cluster.ps_site:

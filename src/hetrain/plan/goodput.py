@@ -67,6 +67,9 @@ class StatModel:
     max_lr_scale: float = math.inf
     """Cap of the lr gain. A step cannot make more progress than its learning rate allows, so
     a batch whose AdaScale gain r exceeds the cap is worth only cap / (G / B0) per sample."""
+    lr_exponent: float = 1.0
+    """The lr scale is r^lr_exponent: 1 for SGD (AdaScale), 0.5 for Adam-type optimizers,
+    whose step does not grow with the gradient (the square-root rule)."""
 
     def __post_init__(self) -> None:
         if not (self.noise_scale > 0 and math.isfinite(self.noise_scale)):
@@ -78,9 +81,12 @@ class StatModel:
                               f"{self.local_step_penalty}")
         if not self.max_lr_scale > 0:
             raise ConfigError(f"max_lr_scale must be > 0, got {self.max_lr_scale}")
+        if not 0 < self.lr_exponent <= 1:
+            raise ConfigError(f"lr_exponent must be in (0, 1], got {self.lr_exponent}")
 
     def efficiency(self, global_batch: int, local_steps: int, n_active: int) -> float:
-        e = self.lr_scale(global_batch) * self.base_batch / global_batch
+        gain = adascale_gain(global_batch, self.noise_scale, self.base_batch)
+        e = min(gain, self.max_lr_scale ** (1 / self.lr_exponent)) * self.base_batch / global_batch
         if local_steps == 1 or n_active == 1:
             return e
         e_big = statistical_efficiency(global_batch * local_steps, self.noise_scale,
@@ -90,7 +96,8 @@ class StatModel:
 
     def lr_scale(self, global_batch: int) -> float:
         return min(self.max_lr_scale,
-                   adascale_gain(global_batch, self.noise_scale, self.base_batch))
+                   adascale_gain(global_batch, self.noise_scale, self.base_batch)
+                   ** self.lr_exponent)
 
 
 @dataclass(frozen=True)

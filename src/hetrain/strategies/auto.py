@@ -20,7 +20,9 @@ How it runs:
     (the PS stays put) and switches only if the new plan's predicted goodput beats the current
     plan's, re-evaluated at the same noise scale, by `hysteresis` (no flapping).
   * the learning rate is AdaScale's gain for the current G at the current noise scale, from the
-    batch the base lr was tuned for (train.batch_size): smooth, no cap.
+    batch the base lr was tuned for (train.batch_size), its square root for Adam and AdamW
+    (`lr_rule`), at most `max_lr_scale` (2): the planner prices the cap, so the lr follows
+    the batch smoothly instead of running into it.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class Auto(CADP):
     """Cap of the AdaScale lr gain: the base lr is taken as tuned close to its stable maximum
     at train.batch_size (lone-device sweeps diverge at 2-4x of it), and the planner prices
     the cap, so it does not pick batches whose gain would exceed it."""
+    lr_rule: str = "auto"
+    """adascale | sqrt | auto: the lr scale is AdaScale's gain r (SGD) or sqrt(r) (the
+    square-root rule, for Adam-type optimizers); auto picks by the configured optimizer."""
     move_ps: bool = True
     """Let the planner choose the PS site (False: keep the cluster's ps_site)."""
     ship_data: bool = False
@@ -109,6 +114,8 @@ class Auto(CADP):
             raise bad(f"hysteresis must be in [0, 10), got {self.hysteresis}")
         if not 0 < self.noise_ema_weight <= 1:
             raise bad(f"noise_ema_weight must be in (0, 1], got {self.noise_ema_weight}")
+        if self.lr_rule not in ("auto", "adascale", "sqrt"):
+            raise bad(f"lr_rule = {self.lr_rule!r}; choose one of: auto, adascale, sqrt")
         if self.min_probes < 0 or not self.max_batch_growth >= 1:
             raise bad("need min_probes >= 0 and max_batch_growth >= 1")
 
@@ -117,6 +124,9 @@ class Auto(CADP):
         self.noise = GradientNoiseScale(self.noise_ema_weight)
         self._prior = self.noise_scale or float(ctx.batch_size)
         self._base_batch = ctx.batch_size
+        rule = self.lr_rule if self.lr_rule != "auto" else (
+            "adascale" if ctx.optimizer == "sgd" else "sqrt")
+        self._lr_exponent = 1.0 if rule == "adascale" else 0.5
         self._last_noise: float | None = None
         hi = self.max_batch or max(self.min_batch, ctx.train_samples // 16)
         self._grid = batch_grid(min(self.min_batch, hi), hi)
@@ -149,7 +159,8 @@ class Auto(CADP):
         # an estimate that dips to none (the |G|^2 average briefly <= 0 near an optimum, where
         # the probes are mostly noise) keeps the last one rather than falling back to the prior
         return StatModel(self._last_noise or self._prior, self._base_batch,
-                         self.local_step_penalty, self.min_device_batch, self.max_lr_scale)
+                         self.local_step_penalty, self.min_device_batch, self.max_lr_scale,
+                         self._lr_exponent)
 
     def _costs(self) -> Costs:
         """The round costs to plan with: the model's links, measured compute per sample."""

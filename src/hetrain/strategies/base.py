@@ -44,6 +44,8 @@ class RunContext:
     """The configured per-worker reference batch size (DDP's per-rank batch)."""
     lr: float
     """The configured base learning rate at `batch_size`."""
+    optimizer: str = "sgd"
+    """The workers' optimizer (sgd | adam | adamw): how a learning rate follows the batch."""
 
     @property
     def n_workers(self) -> int:
