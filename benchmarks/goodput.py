@@ -161,7 +161,7 @@ def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], clu
         if a["time_s"] >= end or a["global_batch"] is None:
             break
         noise = a.get("planned_noise_scale") or BASE_BATCH
-        stat = StatModel(noise, BASE_BATCH, 0.5, 8, 2.0, exponent)
+        stat = StatModel(noise, BASE_BATCH, 1.0, 8, 2.0, exponent)
         plan = best_for(costs, stat, a["global_batch"], a["local_steps"])
         if plan is None:
             continue

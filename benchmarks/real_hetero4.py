@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--lone-batch", type=int, default=32,
                     help="batch of the fastest device alone (its tuned one, benchmarks/goodput)")
     ap.add_argument("--lone-lr", type=float, default=0.05, help="lr of the fastest device alone")
+    ap.add_argument("--out", default="real_hetero4", help="results name under results/")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     notes = []
@@ -145,11 +146,11 @@ def main() -> int:
     summary = summarise(runs, systems, seeds)
     RESULTS.mkdir(exist_ok=True)
     cmd = "python benchmarks/real_hetero4.py " + " ".join(sys.argv[1:])
-    (RESULTS / "real_hetero4.json").write_text(json.dumps(
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(
         {"command": cmd, "args": vars(args), "overheads": vars(over), "notes": notes,
          "runs": runs, "summary": summary}, indent=2))
     text = markdown(cmd, args, summary, len(seeds), over, notes)
-    (RESULTS / "real_hetero4.md").write_text(text)
+    (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
     return 0
 

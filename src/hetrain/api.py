@@ -231,7 +231,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
           loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
           task: str = "classification", optimizer: Any = None,
           cluster: str | Path | Cluster | Mapping[str, Any] = "hetero-4",
-          strategy: str | Mapping[str, Any] | Strategy = "cadp", engine: str = "sim",
+          strategy: str | Mapping[str, Any] | Strategy = "auto", engine: str = "sim",
           batch_size: int = 32, stop: Mapping[str, Any] | None = None,
           max_epochs: float | None = None, target_accuracy: float | None = None,
           target_loss: float | None = None, seed: int = 0, name: str = "train",
@@ -243,7 +243,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       torch.optim.SGD / Adam / AdamW as a class, (class, kwargs) or functools.partial.
     - cluster: a preset ("homo-4", "hetero-4", "hetero-8", "geo-16"), a cluster TOML path, a
       table, or a hetrain.Cluster. strategy: a registered name (see hetrain.strategies.REGISTRY,
-      user strategies included), a table {"name": ..., **options}, or a Strategy instance.
+      user strategies included), a table {"name": ..., **options}, or a Strategy instance;
+      the default, "auto", plans devices, batch, local steps and lr for time to accuracy.
     - batch_size: the reference per-worker batch (DDP's per-rank batch); strategies that
       balance load derive each device's batch from it.
     - stop: the [stop] table; max_epochs / target_accuracy / target_loss override its keys.

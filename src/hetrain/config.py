@@ -11,8 +11,8 @@
     dataset_options = { num_samples = 20000 }
 
     [strategy]
-    name = "cadp"                        # any registered strategy; other keys are its options
-    local_steps = 8
+    name = "auto"                        # any registered strategy; other keys are its options
+    hysteresis = 0.1
 
     [optimizer]
     name = "sgd"                         # sgd | adam | adamw
@@ -144,7 +144,9 @@ class StopConfig:
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    name: str = "ddp"
+    name: str = "auto"
+    """The training protocol (see docs/strategies.md); auto plans devices, batch, local steps
+    and lr for time to accuracy."""
     options: dict[str, Any] = field(default_factory=dict)
 
 

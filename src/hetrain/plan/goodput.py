@@ -25,9 +25,10 @@ shares, one at a time.
 
 Local steps. H > 1 amortises the round trip but the replicas drift apart between averages.
 Modelled between the two bounds: the H steps of a round are worth H steps of batch G (no
-drift) or one step of batch G H (as bad as a single large batch); the planner uses the
-geometric mean E(G)^(1-p) E(G H)^p with p = `local_step_penalty` (0.5). One active device has no
-drift: its H steps are plain sequential SGD. With H > 1 no device gets fewer than
+drift) or one step of batch G H (as bad as a single large batch); the planner uses
+E(G)^(1-p) E(G H)^p with p = `local_step_penalty` (`auto` uses 1, the safe bound: at 0.5 it
+once chose H = 32 on hetero-8 and lost accuracy). One active device has no drift: its H steps
+are plain sequential SGD. With H > 1 no device gets fewer than
 `min_device_batch` samples per step (tiny batches make local updates noisy and unstable).
 
 Learning rate: AdaScale's gain r = (G / B0) E(G) times the base lr, at most `max_lr_scale`; the
@@ -60,7 +61,7 @@ class StatModel:
     """B_noise in samples (measured online; the prior at start-up)."""
     base_batch: int
     """B0: the batch the base learning rate was tuned for (`train.batch_size`)."""
-    local_step_penalty: float = 0.5
+    local_step_penalty: float = 1.0
     """p in E(G)^(1-p) E(G H)^p for H > 1 local steps on several devices."""
     min_device_batch: int = 8
     """With H > 1 on several devices, no device runs a step on fewer samples."""
@@ -383,7 +384,7 @@ def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
 def plan_cluster(cluster: Cluster, *, flops_per_sample: float, model_bytes: int,
                  base_batch: int, noise_scale: float, max_batch: int,
                  min_batch: int = 8, local_steps: Sequence[int] = LOCAL_STEPS,
-                 local_step_penalty: float = 0.5, min_device_batch: int = 8,
+                 local_step_penalty: float = 1.0, min_device_batch: int = 8,
                  max_lr_scale: float = math.inf,
                  sites: Sequence[str] | None = None) -> GoodputPlan:
     """Search every PS site of `cluster` (or `sites`) for the plan of highest goodput, and
