@@ -153,3 +153,13 @@ def test_a_far_cluster_trains_on_the_fastest_device_alone(digits_mlp) -> None:
     assert r.summary["strategy_stats"]["active_devices"] == 1
     pushes = [w["pushes"] for w in r.summary["workers"]]
     assert pushes[0] >= 4 and max(pushes[1:]) <= 1
+
+
+def test_a_real_run_is_told_where_rank_0_should_run(digits_mlp, caplog) -> None:
+    from dataclasses import replace
+
+    cfg = replace(_cfg(_two_sites(fast_far=True), epochs=1.0), engine="dist")
+    with caplog.at_level("WARNING", logger="hetrain"):
+        prep = prepare(cfg, workload=digits_mlp)
+    assert prep.cluster.ps_site == "far"
+    assert "parameter server in site 'far'" in caplog.text and "rank 0" in caplog.text

@@ -77,3 +77,46 @@ def test_user_errors_exit_2_without_traceback(tmp_path: Path) -> None:
         last = r.stderr.strip().splitlines()[-1]
         assert "Traceback" not in r.stderr and last.startswith("hetrain: error:"), r.stderr
     assert "choose one of" in hetrain("run", "bad.toml", cwd=tmp_path).stderr
+
+
+FAR = """
+name = "far"
+[cluster]
+name = "two-sites"
+ps_site = "home"
+[[cluster.sites]]
+name = "home"
+lan = { bandwidth_Bps = 1.25e9, latency_s = 5e-5 }
+wan = { bandwidth_Bps = 1.25e6, latency_s = 0.05 }
+[[cluster.sites]]
+name = "far"
+lan = { bandwidth_Bps = 1.25e9, latency_s = 5e-5 }
+wan = { bandwidth_Bps = 1.25e6, latency_s = 0.05 }
+[[cluster.devices]]
+name = "slow"
+flops = 2e8
+site = "home"
+[[cluster.devices]]
+name = "fast"
+flops = 8e8
+site = "far"
+count = 3
+[workload]
+model = "mlp"
+dataset = "digits"
+[train]
+batch_size = 16
+"""
+
+
+def test_plan_goodput_explains_the_auto_plan(tmp_path: Path) -> None:
+    (tmp_path / "far.toml").write_text(FAR)
+    r = hetrain("plan", "--goodput", "far.toml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "parameter server in site far; 3 of 4 devices train" in r.stdout
+    assert "site home left out: its 200 ms round trip" in r.stdout
+    r = hetrain("plan", "--goodput", "far.toml", "--json", cwd=tmp_path)
+    plan = json.loads(r.stdout)
+    assert plan["ps_site"] == "far" and plan["devices"] == ["fast-0", "fast-1", "fast-2"]
+    r = hetrain("plan", cwd=tmp_path)
+    assert r.returncode == 2 and "--goodput" in r.stderr and "Traceback" not in r.stderr
