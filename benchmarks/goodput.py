@@ -322,6 +322,10 @@ def summarise(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "auto_plans": [a["strategy_stats"].get("plans") for a in autos],
                 "auto_ps_site": [a["strategy_stats"].get("ps_site") for a in autos],
             })
+        for cell in cells[-len(targets):]:   # the headline figures as plain numbers
+            for key in ("auto_vs_lone", "auto_vs_ddp", "predicted_vs_lone"):
+                cell[f"{key}_seeds"] = cell[key]
+                cell[key] = cell[key]["median"]
     return cells
 
 
@@ -345,8 +349,8 @@ def markdown(data: dict[str, Any]) -> str:
     for cell in cells:
         ls = cell["lone_setting"]
         lines.append(
-            f"| {cell['cluster']} | {cell['target']:g} | **{fmt(cell['auto_vs_lone'])}** | "
-            f"{fmt(cell['predicted_vs_lone'])} | {fmt(cell['auto_vs_ddp'])} | "
+            f"| {cell['cluster']} | {cell['target']:g} | **{fmt(cell['auto_vs_lone_seeds'])}** | "
+            f"{fmt(cell['predicted_vs_lone_seeds'])} | {fmt(cell['auto_vs_ddp_seeds'])} | "
             f"{fmt(cell['auto_tta_s'], 1)} | {fmt(cell['lone_tta_s'], 1)} ({ls['batch']}, "
             f"{ls['lr']:g}) | {cell['auto_misses']}/{cell['lone_misses']} | "
             f"{fmt(cell['final_auto'], 3)} / {fmt(cell['final_lone'], 3)} | "
