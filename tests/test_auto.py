@@ -163,3 +163,18 @@ def test_a_real_run_is_told_where_rank_0_should_run(digits_mlp, caplog) -> None:
         prep = prepare(cfg, workload=digits_mlp)
     assert prep.cluster.ps_site == "far"
     assert "parameter server in site 'far'" in caplog.text and "rank 0" in caplog.text
+
+
+def test_a_device_that_rejoins_starts_with_a_fresh_optimizer() -> None:
+    s = make_strategy("auto")
+    s.setup(_ctx(preset("hetero-4")))
+    first = {w: s.next_task(w) for w in sorted(s._members)}
+    assert all(t.reset_optimizer for t in first.values())
+    assert not any(s.next_task(w).reset_optimizer for w in first)   # members keep their state
+    s.on_worker_lost(0)                    # device 0 sits out of the next plans...
+    assert s.goodput_plan.shares[0] == 0 and 0 not in s._trained
+    s._caps[0] = float("inf")              # ...comes back, and is planned in again
+    s._lost.discard(0)
+    s._replan()
+    s._members.add(0)                      # (what the next round's close does)
+    assert s.goodput_plan.shares[0] > 0 and s.next_task(0).reset_optimizer

@@ -215,6 +215,8 @@ class Auto(CADP):
                                tuple(float(x) for x in plan.shares), (), (), plan.local_steps)
         self._shares = plan.shares
         self.history.append(self._shares)
+        # a device that sits out this plan starts afresh (reset_optimizer) when it rejoins
+        self._trained &= {j for j, x in enumerate(plan.shares) if x > 0}
 
     def _adopt_quietly(self, plan: GoodputPlan) -> None:
         """Same G and H with re-allocated shares (measured speeds): not a switch."""
