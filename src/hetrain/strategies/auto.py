@@ -19,7 +19,8 @@ How it runs:
     every `replan_every_epochs` the planner searches G and H again at the measured noise scale
     (the PS stays put) and switches only if the new plan's predicted goodput beats the current
     plan's, re-evaluated at the same noise scale, by `hysteresis` (no flapping).
-  * the learning rate is AdaScale's gain for the current G at the current noise scale, from the
+  * the learning rate is AdaScale's gain for G at the noise scale of the plan switch that set G
+    (it is not re-tuned between switches), from the
     batch the base lr was tuned for (train.batch_size), its square root for Adam and AdamW
     (`lr_rule`), at most `max_lr_scale` (2): the planner prices the cap, so the lr follows
     the batch smoothly instead of running into it.
