@@ -180,6 +180,20 @@ EXACT_UP_TO = 64
 pass and drops in batches, so 1,000 devices in 20 sites plan in about a second."""
 
 
+def _rounded(fixed: np.ndarray, per_unit: np.ndarray, x_units: np.ndarray, units: int,
+             eligible: np.ndarray) -> tuple[np.ndarray, float]:
+    """Whole units from continuous ones in one vectorised pass: the floors, then the remaining
+    units, one each, to the eligible devices that would finish their next unit first. Returns
+    the units and their makespan."""
+    y = np.floor(x_units + 1e-9).astype(np.int64)
+    rest = units - int(y.sum())
+    if rest > 0:
+        nxt = np.where(eligible, fixed + per_unit * (y + 1), np.inf)
+        y[np.argpartition(nxt, rest - 1)[:rest]] += 1
+    active = y > 0
+    return y, float((fixed[active] + per_unit[active] * y[active]).max())
+
+
 def _shares(fixed: np.ndarray, per_sample: np.ndarray, total: int,
             granularity: int) -> tuple[np.ndarray, float]:
     """Integer shares (multiples of `granularity`) and their makespan."""
@@ -188,13 +202,8 @@ def _shares(fixed: np.ndarray, per_sample: np.ndarray, total: int,
         return np.asarray(alloc.shares), alloc.makespan_s
     units, per_unit = total // granularity, per_sample * granularity
     _, x = water_fill(fixed, per_unit, np.full(fixed.size, np.inf), units)
-    y = np.floor(x + 1e-9).astype(np.int64)
-    rest = units - int(y.sum())
-    if rest > 0:   # the remaining units to the devices that would finish them first
-        nxt = np.where(np.isfinite(per_unit), fixed + per_unit * (y + 1), np.inf)
-        y[np.argpartition(nxt, rest - 1)[:rest]] += 1
-    active = y > 0
-    return y * granularity, float((fixed[active] + per_unit[active] * y[active]).max())
+    y, makespan = _rounded(fixed, per_unit, x, units, np.isfinite(per_unit))
+    return y * granularity, makespan
 
 
 def _floored_shares(fixed: np.ndarray, per_sample: np.ndarray, total: int, granularity: int,
@@ -230,14 +239,9 @@ def _floored_shares(fixed: np.ndarray, per_sample: np.ndarray, total: int, granu
         return _shares(fixed, use, total, granularity)
     if room > 0:
         x[members] = floor + (x[members] - floor) * min(1.0, need / room)
-    units = np.floor(x / granularity + 1e-9).astype(np.int64)
-    rest = total // granularity - int(units.sum())
-    if rest > 0:
-        nxt_t = np.where(x > 0, fixed + per_sample * granularity * (units + 1), np.inf)
-        units[np.argpartition(nxt_t, rest - 1)[:rest]] += 1
-    active = units > 0
-    shares = units * granularity
-    return shares, float((fixed[active] + per_sample[active] * shares[active]).max())
+    units, makespan = _rounded(fixed, per_sample * granularity, x / granularity,
+                               total // granularity, x > 0)
+    return units * granularity, makespan
 
 
 def evaluate(costs: Costs, stat: StatModel, global_batch: int, local_steps: int,
@@ -266,11 +270,9 @@ def evaluate(costs: Costs, stat: StatModel, global_batch: int, local_steps: int,
         too_small = (shares > 0) & (shares < stat.min_device_batch * local_steps)
         if local_steps == 1 or k == 1 or not too_small.any():
             break
-        # the floor: drop the device with the smallest share (on large clusters: all those
-        # under the floor) and re-allocate without it
-        order = np.argsort(np.where(too_small, shares, np.iinfo(np.int64).max), kind="stable")
-        drop = 1 if n <= EXACT_UP_TO else int(too_small.sum())
-        use[order[:drop]] = False
+        # the floor: drop the device with the smallest share and re-allocate without it
+        # (large clusters with H > 1 took _floored_shares above and never get here)
+        use[int(np.argmin(np.where(too_small, shares, np.iinfo(np.int64).max)))] = False
     round_s = makespan + k * costs.member_s
     eff = stat.efficiency(global_batch, local_steps, k)
     return GoodputPlan(costs.ps_site, global_batch, local_steps, tuple(shares.tolist()),
