@@ -31,6 +31,7 @@ re-summarises a saved results file without running anything.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -119,6 +120,7 @@ def final_metric(rows: list[dict[str, Any]], metric: str = "accuracy") -> float:
     return statistics.mean(r[key] for r in rows[-5:])
 
 
+@functools.cache
 def lone_key(cluster: str) -> str:
     """Runs of the fastest device alone depend only on that device: share them."""
     from hetrain.cluster import load_cluster
@@ -136,18 +138,25 @@ def pick(selection: list[dict[str, Any]], target: float) -> tuple[int, float]:
     return min(by, key=lambda k: (sum(math.isinf(x) for x in by[k]), statistics.median(by[k])))
 
 
+@functools.cache
+def workload_costs(workload: str) -> tuple[float, int]:
+    """FLOPs per sample and model bytes (the data set is generated once per workload)."""
+    from hetrain.engine.core import model_bytes
+    from hetrain.workloads import flops_per_sample, get_workload
+
+    w = WORKLOADS[workload]["workload"]
+    wl = get_workload(w["model"], w["dataset"], dataset_options=w.get("dataset_options", {}))
+    return flops_per_sample(wl), model_bytes(wl.build_model())
+
+
 def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], cluster: str,
                       target: float, workload: str) -> float | None:
     """Time-weighted mean of the model's goodput ratio over auto's run up to its TTA."""
     from hetrain.cluster import load_cluster
-    from hetrain.engine.core import model_bytes
     from hetrain.plan.goodput import StatModel, best_for, cluster_costs
-    from hetrain.workloads import flops_per_sample, get_workload
 
     spec = WORKLOADS[workload]
-    w = spec["workload"]
-    wl = get_workload(w["model"], w["dataset"], dataset_options=w.get("dataset_options", {}))
-    fps, mb = flops_per_sample(wl), model_bytes(wl.build_model())
+    fps, mb = workload_costs(workload)
     base_lr = spec["optimizer"]["lr"]
     exponent = 1.0 if spec["optimizer"]["name"] == "sgd" else 0.5
     cl = load_cluster(cluster_spec(cluster))
