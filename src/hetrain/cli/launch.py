@@ -19,6 +19,7 @@ from hetrain.cli.output import Output
 from hetrain.cli.run import apply_overrides
 from hetrain.cluster import load_cluster
 from hetrain.config import RunConfig, load_config
+from hetrain.engine import auth
 from hetrain.errors import ConfigError
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
@@ -96,6 +97,9 @@ def main(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(shlex.join(cmd))
             return 0
+        if not auth.configured_secret():  # every node must prove the same one
+            raise ConfigError(f"--nnodes > 1 needs the run's secret on every node: "
+                              f"{auth.HOW_TO_SET} (or {auth.ENV_SECRET_FILE}=PATH)")
         return subprocess.call(cmd)
     cfg = prepare_config(args)
     out = Output(args.quiet, args.json)

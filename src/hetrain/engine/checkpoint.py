@@ -11,10 +11,17 @@ momentum, which is what a replacement machine would do.
 Checkpoints are taken right after a server update, before anyone is released, so a barrier
 strategy has no half-collected round in it; on resume every live worker is released afresh.
 Writes go to a temporary file renamed into place, so a crash mid-write keeps the old one.
+
+The file is a torch.save of tensors and plain data only: the state goes through
+`hetrain.engine.codec` (a JSON tree naming allowlisted hetrain types + a list of tensors), and
+it is read with `torch.load(weights_only=True)`, so a crafted checkpoint cannot run code. A
+checkpoint of another model, data set, cluster, optimizer or strategy is refused, naming what differs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +29,14 @@ from typing import Any
 
 import torch
 
+from hetrain.engine import codec
 from hetrain.errors import ConfigError
 
 CHECKPOINT_FILE = "checkpoint.pt"
-FORMAT = 1
+FORMAT = 2
+"""2: codec tree + tensors (weights_only); 1 (pickled objects) is no longer read."""
+MUST_MATCH = ("workload", "cluster", "optimizer.name")
+"""Config keys a resumed run must share with its checkpoint (other keys may change)."""
 
 
 @dataclass
@@ -57,13 +68,31 @@ def save_checkpoint(run_dir: str | Path, state: ServerState) -> Path:
     path = checkpoint_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".pt.tmp")
-    torch.save({"format": FORMAT, "state": state}, tmp)
+    tree, tensors = codec.to_tree({f.name: getattr(state, f.name)
+                                   for f in dataclasses.fields(ServerState)})
+    torch.save({"format": FORMAT, "tree": json.dumps(tree, allow_nan=False),
+                "tensors": tensors}, tmp)
     os.replace(tmp, path)
     return path
 
 
-def load_checkpoint(run_dir: str | Path | None, strategy_name: str) -> ServerState:
-    """Read a checkpoint back; errors name the file and what to do."""
+def _unreadable(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"checkpoint '{path}' cannot be read ({why}): it is corrupt, crafted, or "
+                       "not a checkpoint of this hetrain version; move it away and start afresh")
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
+                    config: dict[str, Any] | None = None) -> ServerState:
+    """Read a checkpoint back; errors name the file and what to do. With `config` (the
+    resumed run's `RunConfig.to_dict()`), refuse a checkpoint of another workload, cluster,
+    optimizer or strategy."""
     if run_dir is None:
         raise ConfigError("dist.resume = true needs a run directory (runs_root is None)")
     path = checkpoint_path(run_dir)
@@ -71,15 +100,28 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str) -> ServerSta
         raise ConfigError(f"dist.resume = true but there is no checkpoint at '{path}'; run "
                           "without --resume first (checkpoints are written every "
                           "dist.checkpoint_every updates and when a run stops)")
-    data = torch.load(path, weights_only=False)
-    if data.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint '{path}' has format {data.get('format')}, expected "
-                          f"{FORMAT}; start the run afresh")
-    state: ServerState = data["state"]
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as e:  # torch raises many kinds for a bad zip, pickle or tensor record
+        raise _unreadable(path, str(e).splitlines()[0][:120] or type(e).__name__) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, dict) else None
+        raise ConfigError(f"checkpoint '{path}' has format {got}, expected {FORMAT}; "
+                          "start the run afresh")
+    try:
+        fields = codec.from_tree(json.loads(data["tree"]), list(data["tensors"]))
+        state = ServerState(**fields)
+    except (codec.CodecError, KeyError, TypeError, ValueError) as e:
+        raise _unreadable(path, str(e)[:160]) from None
     got = getattr(state.strategy, "name", "?")
     if got != strategy_name:
         raise ConfigError(f"checkpoint '{path}' is of strategy '{got}', but the config says "
                           f"'{strategy_name}'; resume with the same config")
+    for key in MUST_MATCH if config is not None else ():
+        then, now = _lookup(state.config, key), _lookup(config, key)
+        if then != now:
+            raise ConfigError(f"checkpoint '{path}' was written with {key} = {then!r}, the "
+                              f"config says {now!r}; resume with the same {key} or start afresh")
     return state
 
 

@@ -28,7 +28,8 @@ How to start it (world size = number of devices + dist.ps_shards, i.e. devices +
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29400 --rdzv-id job1 -m hetrain run --engine dist cfg.toml
     (or `hetrain launch --nnodes 2 --node-rank K --rdzv-endpoint HOST0:29400 cfg.toml`,
-    which execs exactly that; set GLOO_SOCKET_IFNAME to the interface between the nodes.)
+    which execs exactly that; set GLOO_SOCKET_IFNAME to the interface between the nodes, and
+    the same HETRAIN_SECRET on every node: see hetrain.engine.auth.)
 
 The environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is read in `run_distributed`
 only; everything below takes explicit arguments.
@@ -36,10 +37,13 @@ only; everything below takes explicit arguments.
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import logging
 import os
+import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -52,6 +56,7 @@ import torch.multiprocessing as mp
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
+from hetrain.engine import auth, codec
 from hetrain.engine.checkpoint import check_ps_shards, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
 from hetrain.engine.dist_shard import Shard
@@ -59,7 +64,6 @@ from hetrain.engine.dist_worker import FaultPlan, Worker, fail_at
 from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.sim import ProgressFn
-from hetrain.engine.wire import check_port_free, free_port
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
@@ -82,22 +86,102 @@ class Rendezvous:
     master_port: int
     from_env: bool = False
     """Started by torchrun: join its store through env:// (the agent may already host it)."""
+    secret: str = field(default="", repr=False)
+    """The run's secret when the launcher generated it (see hetrain.engine.auth)."""
+    listener: socket.socket | None = field(default=None, repr=False, compare=False)
+    """Rank 0, spawned runs: the socket the store listens on, bound before the workers start."""
 
 
-def _init(rv: Rendezvous, cfg: RunConfig) -> None:
-    torch.set_num_threads(cfg.train.threads)
+def bind_listener(addr: str, port: int) -> socket.socket:
+    """A listening socket on exactly `addr` (never the wildcard): the store's. Port 0 picks a
+    free one with no window for another process to take it."""
     try:
-        dist.init_process_group(
-            cfg.dist.backend,
-            init_method="env://" if rv.from_env else f"tcp://{rv.master_addr}:{rv.master_port}",
-            rank=rv.rank, world_size=rv.world_size,
-            timeout=timedelta(seconds=cfg.dist.init_timeout_s))
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"dist.master_addr = {addr!r} is not an address of this machine "
+                          f"({e.strerror or e}); use 127.0.0.1 or one of its addresses") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise ConfigError(f"port {port} on {addr} is already in use (another run or "
+                              "service holds it); pick another with --port PORT, or use "
+                              "--port 0 for a free one") from None
+        raise ConfigError(f"cannot listen on {addr}:{port} ({e.strerror}); set "
+                          "dist.master_addr to an address of this machine") from None
+    return sock
+
+
+_gloo_ifname_set = False
+
+
+def _gloo_on_loopback(addr: str) -> None:
+    """gloo listens on the address the host name resolves to unless told an interface; a run
+    whose rendezvous is on loopback keeps its data connections on loopback too."""
+    global _gloo_ifname_set
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if not loopback:
+        if _gloo_ifname_set:  # ours, from an earlier loopback run in this process
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            _gloo_ifname_set = False
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    if "GLOO_SOCKET_IFNAME" not in os.environ and names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+        _gloo_ifname_set = True
+
+
+def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store, its server listening on master_addr only (torch's own would
+    listen on every interface)."""
+    if rv.rank != 0:
+        return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, False, timeout)
+    sock = rv.listener or bind_listener(rv.master_addr, rv.master_port)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(rv.master_addr, port, rv.world_size, True, timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
+    """Join the process group and prove the run's secret (hetrain.engine.auth)."""
+    torch.set_num_threads(cfg.train.threads)
+    timeout = timedelta(seconds=cfg.dist.init_timeout_s)
+    secret = rv.secret or auth.configured_secret()
+    secret_file = None
+    if not secret and rv.rank == 0:
+        if run_dir is None:
+            raise ConfigError(f"this run has no secret for its ranks to prove: set "
+                              f"{auth.ENV_SECRET} on every node ({auth.HOW_TO_SET})")
+        secret, secret_file = auth.write_secret_file(run_dir)
+    _gloo_on_loopback(rv.master_addr)
+    try:
+        if rv.from_env:
+            dist.init_process_group(cfg.dist.backend, init_method="env://", rank=rv.rank,
+                                    world_size=rv.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(cfg.dist.backend, store=rendezvous_store(rv, timeout), rank=rv.rank,
+                                    world_size=rv.world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as e:
         text = str(e)
         if "address already in use" in text.lower() or "EADDRINUSE" in text:
             raise ConfigError(f"port {rv.master_port} on {rv.master_addr} is already in use; "
                               "pick another with --port PORT (or 0 for a free one)") from None
         raise
+    try:
+        auth.handshake(rv.rank, rv.world_size, secret or auth.read_secret_file(run_dir))
+    except ConfigError:
+        dist.destroy_process_group()  # the others' next receive fails: nobody waits for us
+        raise
+    finally:
+        if secret_file is not None:
+            secret_file.unlink(missing_ok=True)
 
 
 def _setup_logging() -> None:
@@ -170,7 +254,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                 f"dist.ps_shards = {cfg.dist.ps_shards}: the dist engine needs one rank per "
                 f"device plus one per PS shard, i.e. {world} (torchrun --nproc-per-node "
                 f"{world})")
-        _init(rv, cfg)
+        _init(rv, cfg, run_dir)
         try:
             _worker_group(rv.world_size, cfg.dist.ps_shards)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
@@ -183,7 +267,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
         workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
                                             model_options=cfg.workload.model_options,
                                             dataset_options=cfg.workload.dataset_options)
-    _init(rv, cfg)
+    _init(rv, cfg, run_dir)
     try:
         group = _worker_group(rv.world_size, cfg.dist.ps_shards)
         if rv.rank > n:
@@ -216,18 +300,20 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     """Run rank 0 in this process and spawn the workers on this machine."""
     cfg_d = cfg.dist
     if cfg_d.resume:
+        if strategy is not None:
+            codec.allow(type(strategy))
         check_ps_shards(load_checkpoint(run_dir, cfg.strategy.name if strategy is None
-                                        else strategy.name), cfg_d.ps_shards)
-    if cfg_d.port:
-        check_port_free(cfg_d.master_addr, cfg_d.port)
-    port = cfg_d.port or free_port(cfg_d.master_addr)
+                                        else strategy.name, cfg.to_dict()), cfg_d.ps_shards)
+    listener = bind_listener(cfg_d.master_addr, cfg_d.port)
+    port = listener.getsockname()[1]
+    secret = auth.new_secret()
     ctx = mp.get_context("spawn")
     procs, pipes = [], []
 
     def start(world: int) -> None:
         for rank in range(1, world):
             mine, theirs = ctx.Pipe()
-            rv = Rendezvous(rank, world, cfg_d.master_addr, port)
+            rv = Rendezvous(rank, world, cfg_d.master_addr, port, secret=secret)
             p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=True,
                             name=f"hetrain-worker-{rank}")
             p.start()
@@ -251,9 +337,10 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         for conn in pipes:
             conn.send(workload)
         pipes.clear()
-        result = run_rank(Rendezvous(0, world, cfg_d.master_addr, port), cfg, run_dir=run_dir,
-                          progress=progress, prepared=prep)
+        rv0 = Rendezvous(0, world, cfg_d.master_addr, port, secret=secret, listener=listener)
+        result = run_rank(rv0, cfg, run_dir=run_dir, progress=progress, prepared=prep)
     finally:
+        listener.close()  # still ours if rank 0 failed before its store took it over
         for conn in pipes:  # rank 0 failed before sending the workload: release the workers
             conn.send(None)
         for rank in (result.summary.get("lost_workers", []) if result is not None else []):
@@ -283,7 +370,7 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
         rv = Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
                         from_env=True)
-        result = run_rank(rv, cfg, run_dir=run_dir if rv.rank == 0 else None,
+        result = run_rank(rv, cfg, run_dir=run_dir,
                           progress=progress if rv.rank == 0 else None, cluster=cluster,
                           workload=workload, strategy=strategy, faults=faults)
         if result is None:

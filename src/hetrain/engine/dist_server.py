@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hetrain.engine import codec
 from hetrain.engine.checkpoint import (
     ServerState,
     check_ps_shards,
@@ -46,7 +47,7 @@ from hetrain.engine.core import Buffered, DataOwner, Server, take_applied
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
 from hetrain.engine.sim import ProgressFn
-from hetrain.engine.wire import Inbox, Outbox
+from hetrain.engine.wire import Inbox, Outbox, set_message_limit
 from hetrain.errors import HetrainError
 from hetrain.plan.noise import GradProbe
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -67,6 +68,7 @@ class Coordinator:
                  emulation: dict[str, Any]) -> None:
         self.p, self.cfg = prep, prep.cfg
         self.strategy = prep.strategy
+        codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
         self.run_dir, self.progress = run_dir, progress
         self.emulation = emulation
         n = prep.cluster.n
@@ -86,6 +88,7 @@ class Coordinator:
                               run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
         self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks)
         self.outbox = Outbox()
+        set_message_limit(prep.ctx.model_bytes)
         self.live = set(range(n))
         self.lost: list[int] = []
         self.busy: set[int] = set()
@@ -121,7 +124,7 @@ class Coordinator:
 
     # ---- setup / resume -------------------------------------------------------------------
     def _restore(self) -> None:
-        st = load_checkpoint(self.run_dir, self.strategy.name)
+        st = load_checkpoint(self.run_dir, self.strategy.name, self.cfg.to_dict())
         check_ps_shards(st, len(self.block_params))
         self.server.model.load_state_dict(st.model)
         self.server.optimizer.load_state_dict(st.optimizer)
@@ -144,7 +147,9 @@ class Coordinator:
     def _snapshot(self) -> None:
         """The strategy and data owner as they are right after a server update (what a
         checkpoint holds, even if taken later: releases after it drew samples for tasks whose
-        pushes were never applied, and a barrier may hold half a round)."""
+        pushes were never applied, and a barrier may hold half a round). An in-memory copy of
+        this process's own objects (pickle: 0.1 ms, 10x faster than the codec after every
+        update); it never leaves the process, checkpoints are written with the codec."""
         self._snap = pickle.dumps((self.strategy, self.owner, self.applied_samples))
 
     def checkpoint(self) -> Path | None:
@@ -158,7 +163,7 @@ class Coordinator:
                 return None
             self._pull_state(waiting[0])
         shard_optimizers = self._gather_shards()
-        strategy, owner, applied = pickle.loads(self._snap)
+        strategy, owner, applied = pickle.loads(self._snap)  # our own bytes, above
         st = ServerState(
             model={k: v.detach().clone() for k, v in self.server.model.state_dict().items()},
             optimizer=self.server.optimizer.state_dict(), version=self.server.version,

@@ -28,7 +28,7 @@ from hetrain.compress import Compressor, ErrorFeedback
 from hetrain.config import RunConfig
 from hetrain.engine.core import Replica, Server, TaskResult, float_buffers
 from hetrain.engine.emulate import Throttle, sleep_until
-from hetrain.engine.wire import recv_obj, send_obj
+from hetrain.engine.wire import recv_obj, send_obj, set_message_limit
 from hetrain.workloads import Workload
 
 
@@ -100,6 +100,7 @@ class Worker:
         self.feedbacks = [ErrorFeedback(self.compressor) for _ in self.block_sizes]
         torch.manual_seed(self.cfg.train.seed + self.rank)
         self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer)
+        set_message_limit(4 * sum(p.numel() for p in self.replica.model.parameters()))
         self.server: Server | None = None
         if self.comm == "allreduce":
             self.server = Server(self.wl.build_model(), self.update, self.cfg.optimizer,

@@ -26,6 +26,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, Link, Site, load_cluster
 from hetrain.config import RunConfig
+from hetrain.engine import auth
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
@@ -76,11 +78,12 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
             if msg["kind"] == "stop":
                 return
             if msg["kind"] == "steps":
-                send_obj({"times": [_median_step_s(wl, th, b, msg["steps"])
-                                    for b in msg["batch_sizes"]]}, 0)
+                send_obj({"kind": "step_times", "times": [_median_step_s(wl, th, b, msg["steps"])
+                                                         for b in msg["batch_sizes"]]}, 0)
             else:  # echo: hold the pull on my emulated link, hold my answer likewise
                 th.hold(nbytes)
-                reply = {"data": msg["data"] if msg["kind"] == "ping" else msg["answer"]}
+                reply = {"kind": "echo",
+                         "data": msg["data"] if msg["kind"] == "ping" else msg["answer"]}
                 th.hold(nbytes)
                 send_obj(reply, 0)
     finally:
@@ -104,23 +107,25 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
                                   dataset_options=cfg.workload.dataset_options)
     fps = flops_per_sample(wl)
     n, b = base.n, cfg.train.batch_size
-    port = cfg.dist.port or free_port(cfg.dist.master_addr)
+    listener = dist_engine.bind_listener(cfg.dist.master_addr, cfg.dist.port)
+    port, secret = listener.getsockname()[1], auth.new_secret()
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, n + 1):
         mine, theirs = ctx.Pipe()
-        rv = dist_engine.Rendezvous(rank, n + 1, cfg.dist.master_addr, port)
+        rv = dist_engine.Rendezvous(rank, n + 1, cfg.dist.master_addr, port, secret=secret)
         p = ctx.Process(target=_worker, args=(rv, cfg, theirs), daemon=True)
         p.start()
         mine.send(wl)
         procs.append(p)
-    dist_engine._init(dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port), cfg)
+    dist_engine._init(dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port,
+                                             secret=secret, listener=listener), cfg)
     import torch.distributed as dist
     try:
         em = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
         for w in range(n):
-            send_obj({"worker": w, "cluster": base, "flops_per_sample": fps, "emulation": em},
-                     w + 1)
+            send_obj({"kind": "setup", "worker": w, "cluster": base, "flops_per_sample": fps,
+                      "emulation": em}, w + 1)
         for w in range(n):
             send_obj({"kind": "steps", "batch_sizes": [b, 2 * b], "steps": steps}, w + 1)
         step_times = [recv_obj(w + 1)[0]["times"] for w in range(n)]
@@ -174,19 +179,21 @@ class Overheads:
     padded ranks, the all-reduce of the gradients and the optimizer step, under contention."""
 
 
-def _overhead_worker(rank: int, world: int, port: int, cluster: Cluster, wl: Workload,
-                     fps: float, batch: int, time_scale: float, steps: int, probes: int,
-                     out: Any) -> None:
+def _overhead_worker(rank: int, world: int, port: int, secret: str, cluster: Cluster,
+                     wl: Workload, fps: float, batch: int, time_scale: float, steps: int,
+                     probes: int, out: Any) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    rv = dist_engine.Rendezvous(rank, world, "127.0.0.1", port, secret=secret)
+    dist.init_process_group("gloo", store=dist_engine.rendezvous_store(rv, timedelta(0, 120)),
+                            rank=rank, world_size=world)
+    auth.handshake(rank, world, secret)
     group = dist.new_group(list(range(1, world)), backend="gloo")
     try:
         model = flat_params(wl.build_model())
         if rank == 0:
-            echo = [statistics.median(_timed({"data": model}, w) for _ in range(probes))
-                    for w in range(world - 1)]
+            echo = [statistics.median(_timed({"kind": "ping", "data": model}, w)
+                                      for _ in range(probes)) for w in range(world - 1)]
             out.put(("ps", statistics.median(echo) / 2))
             return
         for probe in range(probes * (world - 1)):  # echo rank 0's probes, worker by worker
@@ -225,7 +232,7 @@ def measure_overheads(cluster: Cluster, workload: Workload, batch_size: int,
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    args = (world, port, cluster, workload, flops_per_sample(workload), batch_size, time_scale,
+    args = (world, port, auth.new_secret(), cluster, workload, flops_per_sample(workload), batch_size, time_scale,
             steps, probes, out)
     procs = [ctx.Process(target=_overhead_worker, args=(r, *args), daemon=True)
              for r in range(world)]
