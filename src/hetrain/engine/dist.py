@@ -85,7 +85,8 @@ class Rendezvous:
     master_addr: str
     master_port: int
     from_env: bool = False
-    """Started by torchrun: join its store through env:// (the agent may already host it)."""
+    """torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): join it through env://.
+    Otherwise rank 0 hosts it on master_addr (spawned runs, `hetrain launch`'s own nodes)."""
     secret: str = field(default="", repr=False)
     """The run's secret when the launcher generated it (see hetrain.engine.auth)."""
     listener: socket.socket | None = field(default=None, repr=False, compare=False)
@@ -369,7 +370,7 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
     if "RANK" in env and "WORLD_SIZE" in env:
         rv = Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
-                        from_env=True)
+                        from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         result = run_rank(rv, cfg, run_dir=run_dir,
                           progress=progress if rv.rank == 0 else None, cluster=cluster,
                           workload=workload, strategy=strategy, faults=faults)
