@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from hetrain import __version__
+from hetrain.engine.signals import RunInterrupted
 from hetrain.errors import HetrainError
 
 COMMANDS = ("run", "launch", "profile", "plan", "report")
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *(argv or [])])
     try:
         return int(args.func(args) or 0)
+    except RunInterrupted as e:  # checkpointed (or said why not); 128 + signal, as a shell would
+        print(f"hetrain: {e}", file=sys.stderr)
+        return 128 + e.signum
     except HetrainError as e:
         print(f"hetrain: error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stop.max_epochs=2 (TOML value)")
     p.add_argument("--runs-dir", default="runs", help="where runs/<name>/ is written")
+    p.add_argument("--resume", action="store_true",
+                   help="engine dist: continue from runs/<name>/checkpoint.pt (written every "
+                   "dist.checkpoint_every updates, on Ctrl-C/SIGTERM and when a run loses the "
+                   "workers it needs)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON on stdout")
@@ -123,6 +127,12 @@ def main(args: argparse.Namespace) -> int:
             configs.append(fastest_alone(base))
     if args.engine:
         configs = [dataclasses.replace(c, engine=args.engine) for c in configs]
+    if args.resume:
+        if any(c.engine != "dist" for c in configs):
+            raise ConfigError("--resume continues a dist run from its checkpoint: add "
+                              "--engine dist (the simulator writes no checkpoints)")
+        configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, resume=True))
+                   for c in configs]
     results: list[RunResult] = []
     for cfg in configs:
         with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:

@@ -58,6 +58,9 @@ class ServerState:
     config: dict[str, Any]
     shard_optimizers: tuple[dict[str, Any], ...] = ()
     """dist.ps_shards > 1: the optimizer states of shards 1..S-1 (`optimizer` is block 0's)."""
+    job: str = ""
+    """The torchrun job that wrote it (TORCHELASTIC_RUN_ID): a restart of that job resumes
+    from it by itself (`hetrain.engine.dist.restarted_job_resumes`)."""
 
 
 def checkpoint_path(run_dir: str | Path) -> Path:

@@ -37,6 +37,7 @@ only; everything below takes explicit arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -57,12 +58,13 @@ from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
 from hetrain.engine import auth, codec
-from hetrain.engine.checkpoint import check_ps_shards, load_checkpoint
+from hetrain.engine.checkpoint import check_ps_shards, checkpoint_path, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
 from hetrain.engine.dist_shard import Shard
 from hetrain.engine.dist_worker import FaultPlan, Worker, fail_at
 from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.setup import Prepared, prepare
+from hetrain.engine.signals import worker_signals
 from hetrain.engine.sim import ProgressFn
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
@@ -85,7 +87,7 @@ class Rendezvous:
     master_addr: str
     master_port: int
     from_env: bool = False
-    """torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): join it through env://.
+    """torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): every rank joins it.
     Otherwise rank 0 hosts it on master_addr (spawned runs, `hetrain launch`'s own nodes)."""
     secret: str = field(default="", repr=False)
     """The run's secret when the launcher generated it (see hetrain.engine.auth)."""
@@ -139,9 +141,14 @@ def _gloo_on_loopback(addr: str) -> None:
         _gloo_ifname_set = True
 
 
-def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.TCPStore:
+def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.Store:
     """The rendezvous store, its server listening on master_addr only (torch's own would
-    listen on every interface)."""
+    listen on every interface). torchrun's agent keeps one store across restarts, so each
+    attempt gets keys of its own: a restarted group must not read the dead one's addresses."""
+    if rv.from_env:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, False, timeout)
+        return dist.PrefixStore(f"hetrain/attempt_{attempt}/", store)
     if rv.rank != 0:
         return dist.TCPStore(rv.master_addr, rv.master_port, rv.world_size, False, timeout)
     sock = rv.listener or bind_listener(rv.master_addr, rv.master_port)
@@ -163,12 +170,8 @@ def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
         secret, secret_file = auth.write_secret_file(run_dir)
     _gloo_on_loopback(rv.master_addr)
     try:
-        if rv.from_env:
-            dist.init_process_group(cfg.dist.backend, init_method="env://", rank=rv.rank,
-                                    world_size=rv.world_size, timeout=timeout)
-        else:
-            dist.init_process_group(cfg.dist.backend, store=rendezvous_store(rv, timeout), rank=rv.rank,
-                                    world_size=rv.world_size, timeout=timeout)
+        dist.init_process_group(cfg.dist.backend, store=rendezvous_store(rv, timeout),
+                                rank=rv.rank, world_size=rv.world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as e:
         text = str(e)
         if "address already in use" in text.lower() or "EADDRINUSE" in text:
@@ -262,6 +265,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
             return Coordinator(prep, run_dir, progress, emulation).run()
         finally:
             dist.destroy_process_group()
+    worker_signals()  # rank 0 decides when the run ends (hetrain.engine.signals)
     n = _n_workers(rv.world_size, cfg.dist.ps_shards)
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     if rv.rank <= n:  # a PS shard needs no data
@@ -287,6 +291,7 @@ def _worker_main(rv: Rendezvous, cfg: RunConfig, conn: Connection,
     """Entry of a spawned worker (or shard) process: imports done, wait for the workload
     rank 0 built."""
     torch.set_num_threads(cfg.train.threads)
+    worker_signals()
     workload = conn.recv()
     conn.close()
     if workload is None:
@@ -322,8 +327,9 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
             pipes.append(mine)
 
     # The workers import torch while this process builds the workload and plans, except when
-    # calibrating (emulate = "relative" measures a solo step time: nothing else may run).
-    early = cfg_d.emulate != "relative"
+    # calibrating (emulate = "relative" measures a solo step time: nothing else may run) and
+    # when PS shards must first be checked against the model (no processes for a bad count).
+    early = cfg_d.emulate != "relative" and cfg_d.ps_shards == 1
     if early:
         start((cluster.n if cluster is not None else load_cluster(cfg.cluster).n)
               + cfg_d.ps_shards)
@@ -344,16 +350,43 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         listener.close()  # still ours if rank 0 failed before its store took it over
         for conn in pipes:  # rank 0 failed before sending the workload: release the workers
             conn.send(None)
-        for rank in (result.summary.get("lost_workers", []) if result is not None else []):
-            procs[rank].terminate()  # dropped as hung: it will not exit by itself
-        for p in procs:
-            p.join(JOIN_TIMEOUT_S)
-            if p.is_alive():
-                log.warning("hetrain: worker process %s did not exit; terminating it", p.name)
-                p.terminate()
-                p.join(5)
+        _reap(procs, result.summary.get("lost_workers", []) if result is not None else [])
     assert result is not None
     return result
+
+
+def _reap(procs: list[Any], lost: list[int]) -> None:
+    """Every spawned process has exited when this returns: a dropped worker (hung, or frozen
+    by SIGSTOP) is killed at once, the others get JOIN_TIMEOUT_S to finish, then SIGKILL
+    (SIGTERM would wait on a stopped process, and so would multiprocessing's exit handler)."""
+    for w in lost:
+        procs[w].kill()
+    for p in procs:
+        p.join(JOIN_TIMEOUT_S)
+        if p.is_alive():
+            log.warning("hetrain: worker process %s did not exit; killing it", p.name)
+            p.kill()
+            p.join(5)
+
+
+def restarted_job_resumes(run_dir: Path | None, cfg: RunConfig) -> bool:
+    """torchrun --max-restarts restarts every rank when one fails (a killed worker, a lost
+    node); rank 0 checkpointed on the SIGTERM that came first, so the restarted job goes on
+    from that checkpoint (with a fresh worker in the failed one's place). Only a checkpoint of
+    this same job counts: a run of the same name from another job starts afresh."""
+    env = os.environ
+    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1 or cfg.dist.resume:
+        return False
+    if run_dir is None or not checkpoint_path(run_dir).is_file():
+        return False
+    state = load_checkpoint(run_dir, cfg.strategy.name, cfg.to_dict())
+    if not state.job or state.job != env.get("TORCHELASTIC_RUN_ID", ""):
+        return False
+    _setup_logging()
+    log.warning("hetrain: torchrun restart %s of job %s: resuming from %s at update %d",
+                env["TORCHELASTIC_RESTART_COUNT"], state.job, checkpoint_path(run_dir),
+                state.version)
+    return True
 
 
 def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
@@ -368,6 +401,8 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
+        if env["RANK"] == "0" and restarted_job_resumes(run_dir, cfg):
+            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, resume=True))
         rv = Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
                         from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pickle
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from hetrain.engine.checkpoint import (
 from hetrain.engine.core import Buffered, DataOwner, Server, take_applied
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
+from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox, set_message_limit
 from hetrain.errors import HetrainError
@@ -86,7 +88,8 @@ class Coordinator:
         self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
         self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
                               run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
-        self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks)
+        self.stop_signal = StopSignal()
+        self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks, self.stop_signal)
         self.outbox = Outbox()
         set_message_limit(prep.ctx.model_bytes)
         self.live = set(range(n))
@@ -111,6 +114,8 @@ class Coordinator:
         self.offset_s = 0.0
         self.t0 = time.perf_counter()
         self.done = False
+        self.error: str | None = None
+        """Why the run cannot go on (it then checkpoints and raises WorkerLostError)."""
         self.updates_since_ckpt = 0
         self.allreduce = self.strategy.comm == "allreduce"
         self.pending_apply: dict[int, float] = {}
@@ -171,7 +176,8 @@ class Coordinator:
             next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
             workers=[dataclasses.replace(w) for w in self.log.workers],
             tta=(self.log.tta_s, self.log.tta_samples), lost=list(self.lost),
-            config=self.cfg.to_dict(), shard_optimizers=tuple(shard_optimizers))
+            config=self.cfg.to_dict(), shard_optimizers=tuple(shard_optimizers),
+            job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
         self.updates_since_ckpt = 0
         return save_checkpoint(self.run_dir, st)
 
@@ -379,12 +385,36 @@ class Coordinator:
         name = self.p.cluster.devices[w].name
         log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
                     "remain", w, w + 1, name, reason, len(self.live))
+        if not self.live:
+            self.error = (f"all {self.p.cluster.n} workers were lost (the last, worker {w} on "
+                          f"{name}: {reason})")
+            return
         decision = self.strategy.on_worker_lost(w)
         if decision is not None and not self.allreduce:
             self._decide(decision)
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> RunResult:
+        """Train to the stop condition. SIGINT/SIGTERM (`hetrain.engine.signals`) checkpoint
+        and stop the workers, then raise RunInterrupted; a run that cannot go on (its barrier
+        lost a worker, or no worker is left) checkpoints and raises WorkerLostError."""
+        with self.stop_signal.installed():
+            try:
+                self._start()
+            except RunInterrupted as e:
+                raise RunInterrupted(f"run '{self.cfg.name}' {e} before training started; "
+                                     "nothing to checkpoint", e.signum) from None
+            interrupted: RunInterrupted | None = None
+            try:
+                self._loop()
+            except RunInterrupted as e:
+                interrupted = e
+            self.stop_signal.stopping()  # a second signal from here on stops at once
+            if interrupted is not None:
+                self._stop_interrupted(interrupted)
+            return self._finish()
+
+    def _start(self) -> None:
         if self.cfg.dist.resume:
             self._restore()
         self._snapshot()
@@ -395,14 +425,15 @@ class Coordinator:
             self._evaluate()
         for w in sorted(self.live):
             self._release(w)
-        error: str | None = None
-        while not self.done:
+
+    def _loop(self) -> None:
+        while not self.done and self.error is None:
             if self.allreduce and self.lost:
-                error = "a collective strategy cannot go on without its lost worker(s)"
+                self.error = "a collective strategy cannot go on without its lost worker(s)"
                 break
             if not self.inbox.waiting:
-                error = (f"strategy '{self.strategy.name}' waits for pushes that cannot come "
-                         f"(lost workers {self.lost})")
+                self.error = (f"strategy '{self.strategy.name}' waits for pushes that cannot "
+                              f"come (lost workers {self.lost})")
                 break
             kind, src, obj, nbytes = self.inbox.next()
             self._check_source(src, kind, obj)
@@ -410,18 +441,46 @@ class Coordinator:
                 self._on_lost(src - 1, obj)
             else:
                 self._on_push(src - 1, obj, nbytes)
+
+    def _finish(self) -> RunResult:
         end_s = self.clock()
         if self.log.rows and self.log.rows[-1]["samples"] != self.applied_samples \
-                and error is None:
+                and self.error is None:
             self._evaluate()
         self._drain()
-        ckpt = self.checkpoint()
+        ckpt = self._try_checkpoint()
         self._stop_workers()
-        if error is not None:
-            where = (f"; checkpoint of the last update: {ckpt} (resume with --resume)" if ckpt
-                     else "; no checkpoint could be written")
-            raise WorkerLostError(f"run '{self.cfg.name}' stopped: {error}{where}")
+        if self.error is not None:
+            raise WorkerLostError(f"run '{self.cfg.name}' stopped: {self.error}"
+                                  f"{self._where(ckpt)}")
         return self._summary(end_s)
+
+    def _stop_interrupted(self, e: RunInterrupted) -> None:
+        """Checkpoint the last update and stop the workers, without waiting long for tasks
+        in flight (their samples were not applied and are drawn again on resume)."""
+        log.warning("hetrain: %s; checkpointing and stopping the workers", e)
+        ckpt = None if self.allreduce else self._try_checkpoint()  # the server has the model
+        self.inbox.cap(WORKER_GRACE_S)
+        self._drain()
+        if self.allreduce:  # a waiting worker has it
+            ckpt = self._try_checkpoint()
+        self._stop_workers(WORKER_GRACE_S)
+        raise RunInterrupted(f"run '{self.cfg.name}' {e}{self._where(ckpt)}", e.signum)
+
+    def _try_checkpoint(self) -> Path | None:
+        try:
+            return self.checkpoint()
+        except WorkerLostError as e:
+            log.warning("hetrain: no checkpoint: %s", e)
+            return None
+
+    def _where(self, ckpt: Path | None) -> str:
+        if ckpt is not None:
+            return (f"; checkpoint of the last update: {ckpt} (continue with the same command "
+                    f"and --resume)")
+        if self.run_dir is None:
+            return "; no checkpoint (the run has no run folder)"
+        return "; no checkpoint could be written (no worker left holds the model)"
 
     def _drain(self) -> None:
         """Collect the in-flight pushes; their samples are not applied (the run has ended)."""
@@ -429,28 +488,32 @@ class Coordinator:
             kind, src, obj, _ = self.inbox.next()
             self._check_source(src, kind, obj)
             if kind == "lost":
-                self._on_lost_quiet(src - 1)
+                self._on_lost_quiet(src - 1, obj)
             else:
                 self.busy.discard(src - 1)
                 self._take_times(src - 1, obj)
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.cfg.dist.worker_timeout_s
         self._flush_applies()
         for w in sorted(self.live):
             self.outbox.send({"kind": "stop"}, w + 1)
-            self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
+            self.inbox.expect(w + 1, timeout_s)
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
             if kind == "msg":
                 self._take_times(src - 1, obj)
         self._to_shards({"kind": "stop"})  # after the workers, which said bye to them too
         for rank in self.shard_ranks:
-            self.inbox.expect(rank, self.cfg.dist.worker_timeout_s)
+            self.inbox.expect(rank, timeout_s)
         while self.inbox.waiting:
             self.inbox.next()
         self.outbox.wait_all()
 
-    def _on_lost_quiet(self, w: int) -> None:
+    def _on_lost_quiet(self, w: int, reason: str) -> None:
+        """Lost while the run was ending: nothing to re-plan, its task was not needed."""
+        log.warning("hetrain: worker %d (rank %d) lost while the run was ending: %s", w, w + 1,
+                    reason)
         self.outbox.forget(w + 1)
         self.live.discard(w)
         self.lost.append(w)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.engine import codec, messages
+from hetrain.engine.signals import StopSignal
 from hetrain.errors import ConfigError
 
 MAX_MESSAGE_BYTES = 1 << 34
@@ -143,9 +144,12 @@ class Inbox:
     `recv` (gloo pairs are independent, so these run concurrently with the main thread's
     sends) feeds one queue instead. The main thread keeps a deadline per source it expects a
     message from; a source past its deadline, or whose connection broke, is reported lost.
+    With a `StopSignal`, SIGINT/SIGTERM raise RunInterrupted out of the wait (rank 0's safe
+    point: no update is half-applied there).
     """
 
-    def __init__(self, sources: list[int]) -> None:
+    def __init__(self, sources: list[int], stop: StopSignal | None = None) -> None:
+        self._stop = stop
         self._q: queue.Queue[tuple[str, int, Any, int]] = queue.Queue()
         self._deadline: dict[int, float] = {}
         self._gone: set[int] = set()
@@ -166,6 +170,11 @@ class Inbox:
         if src in self._deadline:
             self._deadline[src] = max(self._deadline[src], time.monotonic() + timeout_s)
 
+    def cap(self, timeout_s: float) -> None:
+        """Wait at most timeout_s more for anyone (a run that is being stopped)."""
+        due = time.monotonic() + timeout_s
+        self._deadline = {src: min(d, due) for src, d in self._deadline.items()}
+
     @property
     def waiting(self) -> list[int]:
         """Sources that owe a message, or whose message `request` held back."""
@@ -178,7 +187,11 @@ class Inbox:
             now = time.monotonic()
             src, due = min(self._deadline.items(), key=lambda kv: kv[1])
             try:
-                ev = self._q.get(timeout=max(0.0, due - now))
+                if self._stop is None:
+                    ev = self._q.get(timeout=max(0.0, due - now))
+                else:
+                    with self._stop.safe_point():
+                        ev = self._q.get(timeout=max(0.0, due - now))
             except queue.Empty:
                 del self._deadline[src]
                 self._gone.add(src)

@@ -1,0 +1,235 @@
+"""Faults on real processes, through the command line a user runs: a frozen worker, Ctrl-C,
+SIGTERM (then --resume), a ddp run stopped mid-way, a worker killed under torchrun.
+
+Each test starts `hetrain` as a subprocess in its own session and, whatever happens, kills
+every process it started (they are listed from /proc before the test ends)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+CONFIG = """
+name = "trio"
+engine = "dist"
+[cluster]
+name = "trio"
+sites = [{{ name = "s", lan = {{ bandwidth_Bps = 1e9 }}, wan = {{ bandwidth_Bps = 1e9 }} }}]
+devices = [{{ name = "a", flops = 4e7 }}, {{ name = "b", flops = 4e7 }}, {{ name = "c", flops = 8e7 }}]
+[workload]
+model = "mlp"
+dataset = "digits"
+[optimizer]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+[strategy]
+name = "{strategy}"
+[train]
+batch_size = 32
+[stop]
+max_epochs = {epochs}
+target_accuracy = 0.9
+[dist]
+time_scale = 1.0
+worker_timeout_s = 4
+"""
+HETRAIN = [sys.executable, "-m", "hetrain"]
+
+
+def write_config(tmp_path: Path, strategy: str = "asp", epochs: float = 4) -> Path:
+    path = tmp_path / f"{strategy}.toml"
+    path.write_text(CONFIG.format(strategy=strategy, epochs=epochs))
+    return path
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid (Linux /proc)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (a zombie has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the run has evaluated `rows` times (it is training)."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        time.sleep(0.1)
+    raise AssertionError(f"no {rows} evaluations within {timeout_s} s")
+
+
+@pytest.fixture
+def started() -> Iterator[list[tuple[subprocess.Popen, list[int]]]]:
+    """Processes a test started; each with the pids seen below it. All are killed after."""
+    runs: list[tuple[subprocess.Popen, list[int]]] = []
+    yield runs
+    for proc, seen in runs:
+        for pid in [*descendants(proc.pid), *seen]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def start(args: list[str], runs: list, env: dict[str, str] | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    runs.append((proc, []))
+    return proc
+
+
+def workers_of(proc: subprocess.Popen, runs: list) -> list[int]:
+    """The spawned worker processes (multiprocessing's spawn children, not its tracker)."""
+    pids = [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
+    runs[-1][1].extend(pids)
+    return pids
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 90) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
+
+
+def test_frozen_worker_is_dropped_and_the_command_exits(tmp_path, started) -> None:
+    runs = tmp_path / "runs"
+    proc = start([*HETRAIN, "run", str(write_config(tmp_path, epochs=8)), "--runs-dir",
+                  str(runs), "--no-plot", "--json"], started)
+    wait_rows(runs / "trio", 3, proc)
+    workers = workers_of(proc, started)
+    assert len(workers) == 3
+    os.kill(workers[0], signal.SIGSTOP)
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    summary = json.loads(out)[0]
+    assert len(summary["lost_workers"]) == 1, (summary, err)
+    assert "lost" in err and "Traceback" not in err
+    assert not [p for p in workers if alive(p)], "a worker process outlived the run"
+
+
+def test_ctrl_c_checkpoints_and_exits_130(tmp_path, started) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: workers ignore it, rank 0
+    checkpoints, stops them and exits 130 with one line naming the checkpoint."""
+    runs = tmp_path / "runs"
+    proc = start([*HETRAIN, "run", str(write_config(tmp_path)), "--runs-dir", str(runs),
+                  "--no-plot", "--quiet"], started)
+    wait_rows(runs / "trio", 3, proc)
+    workers = workers_of(proc, started)
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, 60)
+    assert rc == 130, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT" in last and "checkpoint.pt" in last and "--resume" in last
+    assert (runs / "trio" / "checkpoint.pt").is_file()
+    assert not [p for p in workers if alive(p)]
+
+
+def test_sigterm_on_a_ddp_run_checkpoints_the_workers_model(tmp_path, started) -> None:
+    """All-reduce strategies keep the model on the workers: rank 0 fetches it from one that
+    is waiting, after SIGTERM, before stopping them."""
+    runs = tmp_path / "runs"
+    proc = start([*HETRAIN, "run", str(write_config(tmp_path, "ddp")), "--runs-dir", str(runs),
+                  "--no-plot", "--quiet"], started)
+    wait_rows(runs / "trio", 3, proc)
+    workers = workers_of(proc, started)
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc, 60)
+    assert rc == 143, err
+    assert "checkpoint.pt" in err.strip().splitlines()[-1]
+    assert (runs / "trio" / "checkpoint.pt").is_file()
+    assert not [p for p in workers if alive(p)]
+
+
+@pytest.mark.slow
+def test_resume_after_sigterm_reaches_the_uncut_accuracy(tmp_path, started) -> None:
+    config = write_config(tmp_path)
+    cut, uncut = tmp_path / "cut", tmp_path / "uncut"
+    proc = start([*HETRAIN, "run", str(config), "--runs-dir", str(cut), "--no-plot", "--quiet"],
+                 started)
+    wait_rows(cut / "trio", 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc, 60)[0] == 143
+    rows_before = len((cut / "trio" / "metrics.jsonl").read_text().splitlines())
+    resumed = start([*HETRAIN, "run", str(config), "--runs-dir", str(cut), "--no-plot",
+                     "--json", "--resume"], started)
+    rc, out, err = finish(resumed, 120)
+    assert rc == 0, err
+    whole = start([*HETRAIN, "run", str(config), "--runs-dir", str(uncut), "--no-plot",
+                   "--json"], started)
+    rc, out_whole, err = finish(whole, 120)
+    assert rc == 0, err
+    a, b = json.loads(out)[0], json.loads(out_whole)[0]
+    rows = [json.loads(r) for r in (cut / "trio" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) > rows_before  # it went on from the checkpoint's rows
+    assert abs(rows[-1]["epoch"] - 4) < 0.1 and a["epochs"] == pytest.approx(b["epochs"], abs=0.1)
+    assert b["tta_s"] is not None and a["tta_s"] is not None  # both reach the 90% target
+    assert a["best_accuracy"] >= b["best_accuracy"] - 0.03
+
+
+@pytest.mark.slow
+def test_worker_killed_under_torchrun_restarts_and_resumes(tmp_path, started) -> None:
+    """torchrun --max-restarts: the killed worker's SIGKILL makes torchrun SIGTERM every
+    rank; rank 0 checkpoints, the restarted job resumes from it and finishes."""
+    runs = tmp_path / "runs"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "4", "--max-restarts", "1", "--local-ranks-filter", "0"]
+    proc = start([*torchrun, "-m", "hetrain", "run", str(write_config(tmp_path, epochs=6)),
+                  "--runs-dir", str(runs), "--no-plot", "--json"], started)
+    wait_rows(runs / "trio", 3, proc)
+    ranks = {environ(p).get("RANK"): p for p in descendants(proc.pid) if "hetrain" in cmdline(p)}
+    started[-1][1].extend(ranks.values())
+    os.kill(ranks["2"], signal.SIGKILL)
+    rc, out, err = finish(proc, 240)
+    assert rc == 0, err[-3000:]
+    assert "resuming from" in err
+    summary = json.loads(out)[0]  # rank 0 of the restarted job (the first was stopped)
+    assert summary["epochs"] == pytest.approx(6, abs=0.1)
+    assert summary["tta_s"] is not None
