@@ -66,7 +66,7 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
 from hetrain.engine.sim import ProgressFn
-from hetrain.errors import ConfigError
+from hetrain.errors import ConfigError, HetrainError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
 from hetrain.workloads import Workload, flops_per_sample, get_workload
@@ -312,9 +312,27 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
         assert workload is not None
         fault = faults.faults.get(rv.rank) if faults is not None else None
         Worker(rv.rank, cfg, workload, compressor, group, fault).run()
+    except RuntimeError as e:
+        if "gloo/transport" not in str(e):
+            raise
+        raise ConnectionLostError(f"rank {rv.rank}: {_gloo_reason(e)}: rank 0 (the server) "
+                                  "stopped without ending the run (see its node's output), or "
+                                  "the network between the nodes failed") from None
     finally:
         dist.destroy_process_group()
     return None
+
+
+class ConnectionLostError(HetrainError):
+    """A worker or PS shard lost its connection in the middle of the run."""
+
+
+def _gloo_reason(e: BaseException) -> str:
+    """'Connection closed by peer [10.0.0.1]:2789' from gloo's '[.../pair.cc:553] Connection
+    closed by peer [10.0.0.1]:2789. This is typically caused by...'."""
+    text = str(e).splitlines()[0]
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ", 1)[0].rstrip(".")[:160]
 
 
 def _worker_main(rv: Rendezvous, cfg: RunConfig, conn: Connection,
