@@ -178,3 +178,45 @@ def test_a_device_that_rejoins_starts_with_a_fresh_optimizer() -> None:
     s._replan()
     s._members.add(0)                      # (what the next round's close does)
     assert s.goodput_plan.shares[0] > 0 and s.next_task(0).reset_optimizer
+
+
+def _timed_rounds(s, rounds: int, per_member_s: float) -> None:
+    """Rounds whose members take exactly the cluster model's time, and whose PS then spends
+    `per_member_s` per member (serially), as real processes do and no cluster file says."""
+    from hetrain.plan.goodput import cluster_costs
+
+    cl, ctx = s.context.cluster, s.context
+    comm = cluster_costs(cl, s.ps_site, ctx.flops_per_sample, ctx.model_bytes).comm_s
+    clock = 0.0
+    for _ in range(rounds):
+        members = sorted(s._members)
+        tasks = {w: s.next_task(w) for w in members}
+        own = {w: tasks[w].samples * ctx.flops_per_sample / cl.devices[w].flops
+               + tasks[w].local_steps * cl.devices[w].step_overhead_s for w in members}
+        clock += max(comm[w] + own[w] for w in members) + per_member_s * len(members)
+        for w in members:
+            s.on_push(Push(worker=w, base_version=0, samples=tasks[w].samples,
+                           steps=tasks[w].local_steps, loss=1.0, compute_s=own[w],
+                           comm_s=comm[w], arrival_s=clock, probe=None))
+
+
+def test_the_ps_cost_no_cluster_file_lists_is_measured_and_priced() -> None:
+    exact = make_strategy("auto", replan_every_epochs=0.01)
+    exact.setup(_ctx(preset("hetero-4")))
+    _timed_rounds(exact, 100, per_member_s=0.0)
+    assert exact.stats()["measured_member_s"] == 0.0      # the model explains every round
+
+    slow_ps = make_strategy("auto", replan_every_epochs=0.01)
+    slow_ps.setup(_ctx(preset("hetero-4")))
+    start = slow_ps.goodput_plan
+    _timed_rounds(slow_ps, 300, per_member_s=0.05)
+    assert slow_ps.stats()["measured_member_s"] == pytest.approx(0.05, rel=0.05)
+    end = slow_ps.goodput_plan
+    # 50 ms per member: rounds grow (bigger G or more local steps) or the plan has fewer members
+    assert (end.global_batch * end.local_steps > start.global_batch * start.local_steps
+            or len(end.active) < len(start.active))
+
+    unmeasured = make_strategy("auto", replan_every_epochs=0.01, measure_member_cost=False)
+    unmeasured.setup(_ctx(preset("hetero-4")))
+    _timed_rounds(unmeasured, 300, per_member_s=0.05)
+    assert unmeasured.goodput_plan.global_batch == start.global_batch

@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="engine dist: continue from runs/<name>/checkpoint.pt (written every "
                    "dist.checkpoint_every updates, on Ctrl-C/SIGTERM and when a run loses the "
                    "workers it needs)")
+    p.add_argument("--port", type=int, default=None,
+                   help="engine dist: rendezvous port on dist.master_addr (default: "
+                   "dist.port, 0 = a free one)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
     p.add_argument("--json", action="store_true", help="print the summaries as JSON on stdout")
@@ -132,6 +135,9 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError("--resume continues a dist run from its checkpoint: add "
                               "--engine dist (the simulator writes no checkpoints)")
         configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, resume=True))
+                   for c in configs]
+    if args.port is not None:
+        configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, port=args.port))
                    for c in configs]
     results: list[RunResult] = []
     for cfg in configs:

@@ -19,8 +19,10 @@ ordered "apply" command, and evaluations / checkpoints fetch the shards' blocks 
 A worker whose push does not come within `dist.worker_timeout_s`, or whose connection breaks,
 is dropped with a log line and `strategy.on_worker_lost(w)` is called; if the strategy then
 waits for nobody (a barrier missing the lost worker), the run checkpoints and stops with
-`WorkerLostError`. Time is wall-clock seconds since the start, minus the pauses of rank 0's own
-evaluations (the simulator's evaluations take no virtual time either).
+`WorkerLostError`; if every worker is lost it says so, with the checkpoint. SIGINT/SIGTERM
+checkpoint the last applied update and stop the workers (`RunInterrupted`). Time is
+wall-clock seconds since the start, minus the pauses of rank 0's own evaluations (the
+simulator's evaluations take no virtual time either).
 """
 
 from __future__ import annotations

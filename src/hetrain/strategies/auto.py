@@ -15,7 +15,11 @@ How it runs:
     site (the simulator moves it; the real engine logs where rank 0 should run).
   * every task probes the gradient noise on its first batch (WorkTask.probe_noise); the probes
     feed a bias-corrected moving average (GradientNoiseScale).
-  * every round the shares are re-allocated from measured compute times (as cadp does);
+  * every round the shares are re-allocated from measured compute times (as cadp does), and
+    the round's measured length beyond what the model explains (the PS's handling of each
+    member's messages: serial, so it grows with the members) becomes the PS's per-member cost
+    the planner prices; on the simulator the two agree, on real processes a PS message costs
+    milliseconds that no cluster file lists, and small rounds on many devices stop paying;
     every `replan_every_epochs` the planner searches G and H again at the measured noise scale
     (the PS stays put) and switches only if the new plan's predicted goodput beats the current
     plan's, re-evaluated at the same noise scale, by `hysteresis` (no flapping).
@@ -92,6 +96,9 @@ class Auto(CADP):
     """Let the planner choose the PS site (False: keep the cluster's ps_site)."""
     ship_data: bool = False
     """Like the other strategies, devices read their samples locally (True: cadp's data owner)."""
+    measure_member_cost: bool = True
+    """Price the PS's per-member cost from measured round lengths (False: the cluster
+    model's only)."""
 
     goodput_plan: GoodputPlan | None = field(default=None, init=False, repr=False)
     switches: list[tuple[float, int, int]] = field(default_factory=list, init=False, repr=False)
@@ -145,6 +152,8 @@ class Auto(CADP):
         self._trained: set[int] = set()   # devices whose replica trained in the plan so far
         self._next_check = self._check_interval(ctx)
         self.switches = []
+        self._round_open_s: float | None = None   # when the round under way was released
+        self._measured_member_s: float | None = None
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
         super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
 
@@ -170,7 +179,26 @@ class Auto(CADP):
         c = self._model_costs
         per_sample = tuple(float(x) if self._caps[j] > 0 else float("inf")
                            for j, x in enumerate(self._compute_s))
-        return Costs(c.ps_site, c.comm_s, c.overhead_s, per_sample, c.member_s)
+        member = max(c.member_s, self._measured_member_s or 0.0)
+        return Costs(c.ps_site, c.comm_s, c.overhead_s, per_sample, member)
+
+    def _observe_round(self, closed_s: float, shares: tuple[int, ...], steps: int) -> None:
+        """Fold a finished round's length into the PS's per-member cost: what the model of
+        the members' own times (links, step overheads, measured compute) does not explain,
+        per member. The first round (start-up) and rounds after a lost worker are skipped."""
+        opened, self._round_open_s = self._round_open_s, closed_s
+        active = [j for j, x in enumerate(shares) if x > 0]
+        if opened is None or not active or self._lost:
+            return
+        c = self._model_costs
+        own = max(c.comm_s[j] + steps * c.overhead_s[j] + float(self._compute_s[j]) * shares[j]
+                  for j in active)
+        unexplained = (closed_s - opened) - own
+        if unexplained < 1e-9:   # float rounding where the model is exact (the simulator)
+            unexplained = 0.0
+        per_member = unexplained / len(active)
+        w, m = self.ema_weight, self._measured_member_s
+        self._measured_member_s = per_member if m is None else (1 - w) * m + w * per_member
 
     def _adopt(self, plan: GoodputPlan) -> None:
         self.goodput_plan = plan
@@ -241,7 +269,13 @@ class Auto(CADP):
             self.noise.observe(push.probe)
         if push.worker in self._members:
             self._samples_seen += push.samples
-        return super().on_push(push)
+        plan = self.goodput_plan
+        assert plan is not None
+        shares, steps = plan.shares, plan.local_steps
+        decision = super().on_push(push)
+        if decision.apply and self.measure_member_cost:   # the round closed with this push
+            self._observe_round(push.arrival_s, shares, steps)
+        return decision
 
     def metrics(self) -> dict[str, float | int | None]:
         plan = self.goodput_plan
@@ -260,5 +294,6 @@ class Auto(CADP):
                     "plans": ";".join(f"{e}:G{g}xH{h}" for e, g, h in self.switches),
                     "predicted_samples_per_s": plan.samples_per_s,
                     "predicted_efficiency": plan.efficiency,
-                    "active_devices": len(plan.active)})
+                    "active_devices": len(plan.active),
+                    "measured_member_s": self._measured_member_s or 0.0})
         return out
