@@ -54,14 +54,15 @@ def test_launch_wrong_nproc_names_the_fix(config, capsys) -> None:
     assert "--nproc 3" in capsys.readouterr().err
 
 
-def test_launch_multinode_builds_the_torchrun_command(config, capsys) -> None:
+def test_launch_multinode_prints_this_nodes_processes(config, capsys) -> None:
     rc = main(["launch", str(config), "--nnodes", "2", "--node-rank", "1",
-               "--nproc-per-node", "2", "--rdzv-endpoint", "host0:29400", "--dry-run"])
+               "--nproc-per-node", "2,1", "--rdzv-endpoint", "host0:29400", "--dry-run"])
     assert rc == 0
-    cmd = capsys.readouterr().out
-    for part in ("torch.distributed.run", "--nnodes 2", "--node-rank 1", "--rdzv-backend c10d",
-                 "--rdzv-endpoint host0:29400", "-m hetrain run --engine dist"):
-        assert part in cmd
+    (line,) = capsys.readouterr().out.strip().splitlines()  # node 1 runs rank 2 only
+    for part in ("RANK=2 LOCAL_RANK=0 WORLD_SIZE=3", "MASTER_ADDR=host0 MASTER_PORT=29400",
+                 "-m hetrain run", "--engine dist"):
+        assert part in line
+    assert "torch.distributed" not in line and "TORCHELASTIC" not in line
 
 
 def test_profile_measures_emulated_speeds(config, tmp_path) -> None:

@@ -95,10 +95,12 @@ def test_04_plan_and_launch_commands_of_the_readme():
     stages = json.loads(out)["plan"]["stages"]
     assert [s["devices"] for s in stages] == [[0, 1]]  # the README: "keeps it on the A100s"
     out = run(["-m", "hetrain", "launch", str(TWO_SITE / "run.toml"), "--nnodes", "2",
-               "--node-rank", "1", "--nproc-per-node", "4", "--rdzv-endpoint", "HOST_A:29400",
+               "--node-rank", "1", "--nproc-per-node", "3,4", "--master", "HOST_A:29400",
                "--dry-run"])
-    assert "torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1" in out
-    assert out.strip().endswith(str(TWO_SITE / "run.toml"))
+    lines = out.strip().splitlines()  # the T4s: ranks 3..6 of 7, on node 1
+    assert [line.split()[0] for line in lines] == ["RANK=3", "RANK=4", "RANK=5", "RANK=6"]
+    assert all("WORLD_SIZE=7" in line and "MASTER_ADDR=HOST_A" in line and
+               str(TWO_SITE / "run.toml") in line for line in lines)
 
 
 @pytest.mark.slow

@@ -2,24 +2,24 @@
 
 One machine: hetrain spawns the server (rank 0) and one worker process per device on
 127.0.0.1 (`--nproc` = devices + dist.ps_shards, i.e. devices + 1 by default; a free port
-unless `--port`). Several machines: give
-`--nnodes/--node-rank/--rdzv-endpoint` and it runs torchrun with c10d rendezvous on this node
-(the same command on every node, with its own --node-rank and --nproc-per-node).
+unless `--port`). Several machines: the same command on every node with `--nnodes N
+--node-rank R --nproc-per-node K[,K1,...] --master HOST0:PORT`; each node's supervisor
+(hetrain.engine.nodes) starts its processes with a static rendezvous (no torchrun).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
-import subprocess
 import sys
 
 from hetrain.cli.output import Output
 from hetrain.cli.run import apply_overrides
 from hetrain.cluster import load_cluster
 from hetrain.config import RunConfig, load_config
-from hetrain.engine import auth
+from hetrain.engine import auth, nodes
 from hetrain.errors import ConfigError
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
@@ -41,35 +41,89 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs-dir", default="runs", help="where runs/<name>/ is written")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    multi = p.add_argument_group("several machines (torchrun, c10d rendezvous)")
+    multi = p.add_argument_group(
+        "several machines", "the same command on every node, each with its own --node-rank; "
+        "every node needs the run's secret (HETRAIN_SECRET or HETRAIN_SECRET_FILE)")
     multi.add_argument("--nnodes", type=int, default=1, help="number of machines")
-    multi.add_argument("--node-rank", type=int, default=0, help="this machine's index")
-    multi.add_argument("--nproc-per-node", type=int, default=0,
-                       help="processes on this machine (node 0 includes the server)")
-    multi.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
-                       help="rendezvous endpoint on node 0")
-    multi.add_argument("--rdzv-id", default="hetrain", help="job id shared by all nodes")
-    multi.add_argument("--dry-run", action="store_true", help="print the torchrun command only")
+    multi.add_argument("--node-rank", type=int, default=0,
+                       help="this machine's index, 0..nnodes-1 (node 0 runs rank 0, the server)")
+    multi.add_argument("--nproc-per-node", default="", metavar="K[,K1,...]",
+                       help="processes per node: one count for every node, or one per node "
+                       "(e.g. 3,2), the same on every node; they add up to devices + "
+                       "dist.ps_shards, node 0's include the server")
+    multi.add_argument("--master", "--rdzv-endpoint", dest="master", default="",
+                       metavar="HOST:PORT", help="node 0's address and a free port there: "
+                       "rank 0 hosts the rendezvous on it (--rdzv-endpoint: the same)")
+    multi.add_argument("--ifname", default="", metavar="IFACE",
+                       help="network interface for gloo's connections between the nodes "
+                       "(sets GLOO_SOCKET_IFNAME); needed when the machines have several "
+                       "interfaces, e.g. --ifname eth1")
+    multi.add_argument("--dry-run", action="store_true",
+                       help="print this node's processes (environment and command) only")
     p.set_defaults(func=main)
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun line this node runs (rank 0 lives on node 0, local rank 0)."""
-    if not args.rdzv_endpoint:
-        raise ConfigError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
-    if args.nproc_per_node < 1:
-        raise ConfigError("--nnodes > 1 needs --nproc-per-node N (this node's processes)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes),
-           "--nproc-per-node", str(args.nproc_per_node), "--node-rank", str(args.node_rank),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-           "--rdzv-id", args.rdzv_id, "--local-ranks-filter", "0",
-           "-m", "hetrain", "run", "--engine", "dist", "--no-plot",
-           "--runs-dir", args.runs_dir, args.config]
+MULTI_ONLY = (("node_rank", 0, "--node-rank"), ("nproc_per_node", "", "--nproc-per-node"),
+              ("master", "", "--master"), ("ifname", "", "--ifname"),
+              ("dry_run", False, "--dry-run"))
+
+
+def node_layout(args: argparse.Namespace) -> nodes.Layout:
+    """The static rendezvous of a --nnodes > 1 launch (the same on every node)."""
+    if args.nproc:
+        raise ConfigError("--nproc counts the processes of a one-machine run; with --nnodes "
+                          "give --nproc-per-node K (every node) or K0,K1,... (one per node)")
+    if args.port is not None:
+        raise ConfigError("--port is the one-machine rendezvous port; with --nnodes the port "
+                          "is part of --master HOST:PORT")
+    if not args.master:
+        raise ConfigError("--nnodes > 1 needs --master HOST:PORT (node 0's address and a free "
+                          "port there), the same on every node")
+    if not args.nproc_per_node:
+        raise ConfigError("--nnodes > 1 needs --nproc-per-node K (every node) or K0,K1,... "
+                          "(one per node), the same on every node")
+    host, port = nodes.parse_endpoint(args.master)
+    return nodes.Layout(nodes.parse_nproc_per_node(args.nproc_per_node, args.nnodes),
+                        args.node_rank, host, port)
+
+
+def rank_command(args: argparse.Namespace, rank: int) -> list[str]:
+    """`hetrain run` for one rank: rank 0 shows progress and the results (as --quiet/--json
+    ask); the other ranks print only their errors."""
+    cmd = [sys.executable, "-m", "hetrain", "run", args.config, "--engine", "dist",
+           "--no-plot", "--runs-dir", args.runs_dir]
     for item in args.set:
         cmd += ["--set", item]
     if args.resume:
-        cmd += ["--set", "dist.resume=true"]
+        cmd.append("--resume")
+    if rank != 0:
+        cmd.append("--quiet")
+    else:
+        cmd += (["--quiet"] if args.quiet else []) + (["--json"] if args.json else [])
     return cmd
+
+
+def launch_nodes(args: argparse.Namespace) -> int:
+    """This node's share of a several-machine run (hetrain.engine.nodes)."""
+    layout = node_layout(args)
+    cfg = apply_overrides(load_config(args.config), args.set)
+    layout.check_world(load_cluster(cfg.cluster).n, cfg.dist.ps_shards)
+    commands = {rank: rank_command(args, rank) for rank in layout.ranks}
+    if args.dry_run:
+        for rank, cmd in commands.items():
+            env = layout.env(rank, args.ifname)
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+        return 0
+    if not auth.configured_secret():  # every node must prove the same one
+        raise ConfigError(f"--nnodes > 1 needs the run's secret on every node: "
+                          f"{auth.HOW_TO_SET} (or {auth.ENV_SECRET_FILE}=PATH)")
+    if layout.has_rank0:
+        nodes.check_master_here(layout.master_addr, layout.master_port)
+    rc = nodes.Supervisor(layout, commands, init_timeout_s=cfg.dist.init_timeout_s,
+                          ifname=args.ifname, base_env=os.environ).run()
+    if args.json and not layout.has_rank0:
+        print("[]")  # the run's summary is node 0's (rank 0's) to print
+    return rc
 
 
 def prepare_config(args: argparse.Namespace) -> RunConfig:
@@ -93,14 +147,13 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
 
 def main(args: argparse.Namespace) -> int:
     if args.nnodes > 1:
-        cmd = torchrun_command(args)
-        if args.dry_run:
-            print(shlex.join(cmd))
-            return 0
-        if not auth.configured_secret():  # every node must prove the same one
-            raise ConfigError(f"--nnodes > 1 needs the run's secret on every node: "
-                              f"{auth.HOW_TO_SET} (or {auth.ENV_SECRET_FILE}=PATH)")
-        return subprocess.call(cmd)
+        return launch_nodes(args)
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes}: must be >= 1")
+    given = [flag for dest, default, flag in MULTI_ONLY if getattr(args, dest) != default]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only for several machines (--nnodes > 1); on "
+                          "one machine hetrain spawns every process itself (--nproc, --port)")
     cfg = prepare_config(args)
     out = Output(args.quiet, args.json)
     with out.progress(f"{cfg.name} [{cfg.strategy.name}, dist]") as progress:

@@ -21,15 +21,15 @@ How to start it (world size = number of devices + dist.ps_shards, i.e. devices +
     torchrun --standalone --nproc-per-node 5 --local-ranks-filter 0 \\
         -m hetrain run --engine dist cfg.toml
 
-    # several machines (c10d rendezvous; the node with rank 0 hosts the PS, and the last
-    # ranks are the PS shards when ps_shards > 1):
-    torchrun --nnodes 2 --nproc-per-node 3 --node-rank 0 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST0:29400 --rdzv-id job1 -m hetrain run --engine dist cfg.toml
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST0:29400 --rdzv-id job1 -m hetrain run --engine dist cfg.toml
-    (or `hetrain launch --nnodes 2 --node-rank K --rdzv-endpoint HOST0:29400 cfg.toml`,
-    which execs exactly that; set GLOO_SOCKET_IFNAME to the interface between the nodes, and
-    the same HETRAIN_SECRET on every node: see hetrain.engine.auth.)
+    # several machines: the same command on every node (a static rendezvous: node 0 runs
+    # rank 0, which hosts the store on HOST0; the last ranks are the PS shards when
+    # ps_shards > 1), each node's processes started and watched by hetrain.engine.nodes:
+    hetrain launch cfg.toml --nnodes 2 --node-rank 0 --nproc-per-node 3,2 \\
+        --master HOST0:29400 --ifname eth1
+    hetrain launch cfg.toml --nnodes 2 --node-rank 1 --nproc-per-node 3,2 \\
+        --master HOST0:29400 --ifname eth1
+    (with the same HETRAIN_SECRET on every node: see hetrain.engine.auth; --ifname sets
+    GLOO_SOCKET_IFNAME, needed when the machines have several interfaces.)
 
 The environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) is read in `run_distributed`
 only; everything below takes explicit arguments.
@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
-from hetrain.engine import auth, codec
+from hetrain.engine import auth, codec, nodes
 from hetrain.engine.checkpoint import check_ps_shards, checkpoint_path, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
 from hetrain.engine.dist_shard import Shard
@@ -66,7 +66,7 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
 from hetrain.engine.sim import ProgressFn
-from hetrain.errors import ConfigError
+from hetrain.errors import ConfigError, HetrainError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
 from hetrain.workloads import Workload, flops_per_sample, get_workload
@@ -141,6 +141,29 @@ def _gloo_on_loopback(addr: str) -> None:
         _gloo_ifname_set = True
 
 
+def _endpoint(rv: Rendezvous) -> str:
+    host = f"[{rv.master_addr}]" if ":" in rv.master_addr else rv.master_addr
+    return f"{host}:{rv.master_port}"
+
+
+def join_rendezvous(rv: Rendezvous, timeout: timedelta) -> dist.Store:
+    """`rendezvous_store`, with one line instead of c10d's traceback when the store is out of
+    reach: a rank that does not host it first waits for its port to answer (plain sockets:
+    c10d logs every failed try with a C++ stack), then joins."""
+    hosts = rv.rank == 0 and not rv.from_env
+    unreachable = nodes.unreachable_message(nodes.node_label(), _endpoint(rv),
+                                            timeout.total_seconds())
+    if not hosts and not nodes.wait_reachable(rv.master_addr, rv.master_port,
+                                              timeout.total_seconds()):
+        raise ConfigError(unreachable)
+    try:
+        return rendezvous_store(rv, timeout)
+    except dist.DistNetworkError:
+        if hosts:
+            raise
+        raise ConfigError(unreachable) from None
+
+
 def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.Store:
     """The rendezvous store, its server listening on master_addr only (torch's own would
     listen on every interface). torchrun's agent keeps one store across restarts, so each
@@ -169,14 +192,22 @@ def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
                               f"{auth.ENV_SECRET} on every node ({auth.HOW_TO_SET})")
         secret, secret_file = auth.write_secret_file(run_dir)
     _gloo_on_loopback(rv.master_addr)
+    store = join_rendezvous(rv, timeout)
     try:
-        dist.init_process_group(cfg.dist.backend, store=rendezvous_store(rv, timeout),
-                                rank=rv.rank, world_size=rv.world_size, timeout=timeout)
+        dist.init_process_group(cfg.dist.backend, store=store, rank=rv.rank,
+                                world_size=rv.world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as e:
         text = str(e)
         if "address already in use" in text.lower() or "EADDRINUSE" in text:
             raise ConfigError(f"port {rv.master_port} on {rv.master_addr} is already in use; "
                               "pick another with --port PORT (or 0 for a free one)") from None
+        if isinstance(e, dist.DistStoreError) or "timeout" in text.lower() \
+                or "timed out" in text.lower():
+            raise ConfigError(
+                f"rank {rv.rank}: not all {rv.world_size} ranks joined the run at "
+                f"{_endpoint(rv)} within {cfg.dist.init_timeout_s:g} s (is every node "
+                f"started with the same --nproc-per-node and --master, and is "
+                f"GLOO_SOCKET_IFNAME/--ifname right?)") from None
         raise
     try:
         auth.handshake(rv.rank, rv.world_size, secret or auth.read_secret_file(run_dir))
@@ -281,9 +312,27 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
         assert workload is not None
         fault = faults.faults.get(rv.rank) if faults is not None else None
         Worker(rv.rank, cfg, workload, compressor, group, fault).run()
+    except RuntimeError as e:
+        if "gloo/transport" not in str(e):
+            raise
+        raise ConnectionLostError(f"rank {rv.rank}: {_gloo_reason(e)}: rank 0 (the server) "
+                                  "stopped without ending the run (see its node's output), or "
+                                  "the network between the nodes failed") from None
     finally:
         dist.destroy_process_group()
     return None
+
+
+class ConnectionLostError(HetrainError):
+    """A worker or PS shard lost its connection in the middle of the run."""
+
+
+def _gloo_reason(e: BaseException) -> str:
+    """'Connection closed by peer [10.0.0.1]:2789' from gloo's '[.../pair.cc:553] Connection
+    closed by peer [10.0.0.1]:2789. This is typically caused by...'."""
+    text = str(e).splitlines()[0]
+    text = text.split("] ", 1)[1] if text.startswith("[") and "] " in text else text
+    return text.split(". ", 1)[0].rstrip(".")[:160]
 
 
 def _worker_main(rv: Rendezvous, cfg: RunConfig, conn: Connection,

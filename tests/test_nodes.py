@@ -1,0 +1,354 @@
+"""Several machines with `hetrain launch --nnodes 2` (hetrain.engine.nodes): two nodes on
+127.0.0.1, a node killed, a node alone, SIGTERM, and (slow) two network namespaces.
+
+Every process a test starts carries a tag in its environment; the `started` fixture kills
+every process with that tag (and the network namespaces it made) whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hetrain.cli import main
+from hetrain.engine import nodes
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+CONFIG = """
+name = "trio"
+engine = "dist"
+[cluster]
+name = "trio"
+sites = [{{ name = "s", lan = {{ bandwidth_Bps = 1e9 }}, wan = {{ bandwidth_Bps = 1e9 }} }}]
+devices = [{devices}]
+[workload]
+model = "mlp"
+dataset = "digits"
+[optimizer]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+[strategy]
+name = "asp"
+[train]
+batch_size = 32
+[stop]
+max_epochs = {epochs}
+target_accuracy = 0.9
+[dist]
+time_scale = 1.0
+worker_timeout_s = 4
+"""
+DEVICES = '{ name = "a", flops = 4e7 }, { name = "b", flops = 4e7 }, { name = "c", flops = 8e7 }'
+FAST_FIRST = '{ name = "c", flops = 8e7 }, { name = "a", flops = 4e7 }, { name = "b", flops = 4e7 }'
+HETRAIN = [sys.executable, "-m", "hetrain"]
+TAG = "HETRAIN_TEST_NODES"
+SECRET = "0123456789abcdef" * 4
+
+
+def write_config(tmp_path: Path, epochs: float = 4, devices: str = DEVICES) -> Path:
+    path = tmp_path / "trio.toml"
+    path.write_text(CONFIG.format(epochs=epochs, devices=devices))
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries the tag."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if f"{TAG}={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") \
+                    and alive(int(proc.name)):
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(k) for k in (task / "children").read_text().split()]
+    return out
+
+
+class Started:
+    """The processes of one test: all carry `tag`; `kill_all` ends every one of them."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex
+        self.procs: list[subprocess.Popen] = []
+        self.namespaces: list[str] = []
+
+    def start(self, args: list[str], netns: str = "") -> subprocess.Popen:
+        env = {**os.environ, TAG: self.tag, "HETRAIN_SECRET": SECRET}
+        cmd = ["ip", "netns", "exec", netns, *args] if netns else args
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=env)
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for _ in range(3):
+            for pid in tagged(self.tag):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for ns in self.namespaces:
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                      text=True).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.2)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=10)
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def started() -> Iterator[Started]:
+    s = Started()
+    try:
+        yield s
+    finally:
+        s.kill_all()
+
+
+def node(started: Started, config: Path, rank: int, master: str, runs: Path,
+         *extra: str, netns: str = "", nproc: str = "2") -> subprocess.Popen:
+    return started.start([*HETRAIN, "launch", str(config), "--nnodes", "2", "--node-rank",
+                          str(rank), "--nproc-per-node", nproc, "--master", master,
+                          "--runs-dir", str(runs), *extra], netns=netns)
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 120) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
+
+
+def wait_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout_s: float = 90) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"node 0 ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError(f"no {rows} evaluations within {timeout_s} s")
+
+
+def summary(runs: Path) -> dict:
+    return json.loads((runs / "trio" / "summary.json").read_text())
+
+
+# --- the layout and the command line (no processes) ----------------------------------------
+
+def test_layout_ranks_and_environment() -> None:
+    layout = nodes.Layout(nodes.parse_nproc_per_node("3,2,2", 3), 1, "10.0.0.1", 29400)
+    assert layout.world_size == 7 and list(layout.ranks) == [3, 4]
+    env = layout.env(4, "eth1")
+    assert env["RANK"] == "4" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "7"
+    assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29400"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth1" and "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert nodes.parse_nproc_per_node("2", 3) == (2, 2, 2)
+    assert nodes.parse_endpoint("[::1]:29400") == ("::1", 29400)
+    for bad in ("2,2", "0", "x"):
+        with pytest.raises(Exception, match="--nproc-per-node"):
+            nodes.parse_nproc_per_node(bad, 3)
+
+
+def test_dry_run_prints_each_process_of_this_node(tmp_path, capsys) -> None:
+    config = write_config(tmp_path)
+    assert main(["launch", str(config), "--nnodes", "2", "--node-rank", "1",
+                 "--nproc-per-node", "2", "--rdzv-endpoint", "host0:29400", "--ifname", "eth1",
+                 "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("RANK=2 LOCAL_RANK=0 WORLD_SIZE=4 ")
+    assert "MASTER_ADDR=host0 MASTER_PORT=29400 GLOO_SOCKET_IFNAME=eth1 " in lines[1]
+    assert "-m hetrain run" in lines[1] and "--engine dist" in lines[1]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--nproc-per-node", "3"], "needs 4"),
+    (["--nproc-per-node", "2", "--nproc", "4"], "--nproc counts"),
+    (["--nproc-per-node", "2", "--port", "5"], "--port is"),
+    (["--nproc-per-node", "2,1,1"], "3 counts for --nnodes 2"),
+])
+def test_multinode_mistakes_are_one_line(tmp_path, capsys, args, says) -> None:
+    config = write_config(tmp_path)
+    assert main(["launch", str(config), "--nnodes", "2", "--master", "h:1", "--dry-run",
+                 *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_multinode_flags_on_one_machine_are_refused(tmp_path, capsys) -> None:
+    assert main(["launch", str(write_config(tmp_path)), "--ifname", "eth0"]) == 2
+    assert "only for several machines" in capsys.readouterr().err
+
+
+def test_multinode_needs_the_secret(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("HETRAIN_SECRET", raising=False)
+    monkeypatch.delenv("HETRAIN_SECRET_FILE", raising=False)
+    assert main(["launch", str(write_config(tmp_path)), "--nnodes", "2", "--nproc-per-node",
+                 "2", "--master", "127.0.0.1:1"]) == 2
+    assert "HETRAIN_SECRET" in capsys.readouterr().err
+
+
+def test_node0_needs_its_own_address_as_master(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HETRAIN_SECRET", SECRET)
+    assert main(["launch", str(write_config(tmp_path)), "--nnodes", "2", "--nproc-per-node",
+                 "2", "--master", "192.0.2.1:29400"]) == 2  # TEST-NET-1: nobody's address
+    assert "not an address of this machine" in capsys.readouterr().err
+
+
+# --- real processes ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_nodes_reach_the_one_node_accuracy(tmp_path, started) -> None:
+    """The one-node run and the two-node run side by side (their processes mostly sleep:
+    the emulation pads every step to the cluster's time). ~32 s on 2 cores: ten processes
+    import torch at once."""
+    config = write_config(tmp_path)
+    master = f"127.0.0.1:{free_port()}"
+    one = started.start([*HETRAIN, "run", str(config), "--engine", "dist", "--no-plot",
+                         "--runs-dir", str(tmp_path / "one"), "--quiet"])
+    n1 = node(started, config, 1, master, tmp_path / "n1", nproc="2,2")
+    n0 = node(started, config, 0, master, tmp_path / "n0", nproc="2,2")
+    rc0, out0, err0 = finish(n0)
+    rc1, out1, err1 = finish(n1)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    assert finish(one)[0] == 0
+    assert "trio" in out0 and out1 == "", out1  # rank 0's table; node 1: no bogus results
+    assert "Traceback" not in err0 + err1
+    a, b = summary(tmp_path / "n0"), summary(tmp_path / "one")
+    assert a["n_workers"] == 3 and a["lost_workers"] == []
+    assert a["epochs"] == pytest.approx(b["epochs"], abs=0.1)
+    assert a["tta_s"] is not None and b["tta_s"] is not None  # both reach the 90% target
+    assert a["best_accuracy"] >= b["best_accuracy"] - 0.03
+    assert not (tmp_path / "n1" / "trio").exists()  # only rank 0 writes the run
+
+
+def test_killed_node_drops_its_workers_and_node0_finishes(tmp_path, started) -> None:
+    """SIGKILL to node 1's supervisor: its processes die with it (pdeathsig), the server
+    drops workers 1 and 2 and finishes with worker 0; node 0 exits right after."""
+    config = write_config(tmp_path, epochs=2, devices=FAST_FIRST)
+    master, runs = f"127.0.0.1:{free_port()}", tmp_path / "n0"
+    n1 = node(started, config, 1, master, tmp_path / "n1")
+    n0 = node(started, config, 0, master, runs, "--json")
+    wait_rows(runs / "trio", 2, n0)
+    ranks = children(n1.pid)
+    assert len(ranks) == 2
+    n1.kill()
+    deadline = time.monotonic() + 5
+    while [p for p in ranks if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in ranks if alive(p)], "node 1's processes outlived its supervisor"
+    while n0.poll() is None and time.monotonic() < deadline + 90:
+        time.sleep(0.05)
+    ended = time.time()
+    rc, out, err = finish(n0)
+    assert rc == 0, err
+    result = json.loads(out)[0]
+    assert sorted(result["lost_workers"]) == [1, 2], err
+    assert result["epochs"] == pytest.approx(2, abs=0.1)
+    assert ended - (runs / "trio" / "summary.json").stat().st_mtime < 8  # no exit barrier
+
+
+def test_node_alone_says_it_cannot_reach_node0(tmp_path, started) -> None:
+    config = write_config(tmp_path)
+    master = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    rc, _, err = finish(node(started, config, 1, master, tmp_path / "n1",
+                               "--set", "dist.init_timeout_s=5"), 60)
+    took = time.monotonic() - t0
+    assert rc == 2
+    assert err.strip() == "hetrain: " + nodes.unreachable_message("node 1", master, 5), err
+    assert took < 5 + 8  # the command's own start (importing torch) plus the timeout
+    assert tagged(started.tag) == []
+
+
+def test_sigterm_to_node0_checkpoints_and_exits_143(tmp_path, started) -> None:
+    config = write_config(tmp_path, epochs=8)
+    master, runs = f"127.0.0.1:{free_port()}", tmp_path / "n0"
+    n1 = node(started, config, 1, master, tmp_path / "n1")
+    n0 = node(started, config, 0, master, runs, "--quiet")
+    wait_rows(runs / "trio", 3, n0)
+    n0.send_signal(signal.SIGTERM)
+    rc, _, err = finish(n0, 60)
+    assert rc == 143, err
+    assert "stopped by SIGTERM" in err and "checkpoint.pt" in err and "Traceback" not in err
+    assert (runs / "trio" / "checkpoint.pt").is_file()
+    rc1, out1, err1 = finish(n1, 30)  # rank 0 stopped node 1's workers
+    assert rc1 == 0 and out1 == "", err1
+
+
+# --- two machines: network namespaces joined by a veth pair ---------------------------------
+
+@pytest.fixture
+def two_hosts(started) -> tuple[str, str]:
+    """Namespaces ht0-* (10.231.7.1) and ht1-* (10.231.7.2), each with an interface named
+    hteth, joined by a veth pair; deleted by `started` whatever happens."""
+    suffix = uuid.uuid4().hex[:6]
+    ns = (f"ht0-{suffix}", f"ht1-{suffix}")
+    for name in ns:
+        if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode:
+            pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+        started.namespaces.append(name)
+    steps = [["ip", "link", "add", f"hv0{suffix}", "netns", ns[0], "type", "veth", "peer",
+              "name", f"hv1{suffix}", "netns", ns[1]]]
+    for i, name in enumerate(ns):
+        steps += [["ip", "-n", name, "link", "set", f"hv{i}{suffix}", "name", "hteth"],
+                  ["ip", "-n", name, "addr", "add", f"10.231.7.{i + 1}/24", "dev", "hteth"],
+                  ["ip", "-n", name, "link", "set", "hteth", "up"],
+                  ["ip", "-n", name, "link", "set", "lo", "up"]]
+    for step in steps:
+        subprocess.run(step, check=True, capture_output=True)
+    return ns
+
+
+@pytest.mark.slow
+def test_two_network_namespaces_run_to_the_end(tmp_path, started, two_hosts) -> None:
+    config = write_config(tmp_path)
+    master = "10.231.7.1:29400"
+    n1 = node(started, config, 1, master, tmp_path / "n1", "--ifname", "hteth",
+              netns=two_hosts[1])
+    n0 = node(started, config, 0, master, tmp_path / "n0", "--ifname", "hteth", "--json",
+              netns=two_hosts[0])
+    rc0, out0, err0 = finish(n0)
+    rc1, _, err1 = finish(n1)
+    assert (rc0, rc1) == (0, 0), err0 + err1
+    result = json.loads(out0)[0]
+    assert result["lost_workers"] == [] and result["tta_s"] is not None
+    assert result["epochs"] == pytest.approx(4, abs=0.1)
