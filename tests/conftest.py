@@ -31,3 +31,15 @@ def mnist1d_cnn():
     from hetrain.workloads import get_workload
 
     return get_workload("cnn", "mnist1d")
+
+
+@pytest.fixture
+def started():
+    """Processes a test starts (tests/procs.py): every one is killed after the test."""
+    from procs import Started
+
+    s = Started()
+    try:
+        yield s
+    finally:
+        s.kill_all()

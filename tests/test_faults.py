@@ -2,140 +2,32 @@
 SIGTERM (then --resume), a ddp run stopped mid-way, a worker killed under torchrun.
 
 Each test starts `hetrain` as a subprocess in its own session and, whatever happens, kills
-every process it started (they are listed from /proc before the test ends)."""
+every process it started (the `started` fixture, tests/procs.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from procs import HETRAIN, Started, alive, cmdline, descendants, environ, finish, wait_rows
+from procs import write_trio as write_config
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-CONFIG = """
-name = "trio"
-engine = "dist"
-[cluster]
-name = "trio"
-sites = [{{ name = "s", lan = {{ bandwidth_Bps = 1e9 }}, wan = {{ bandwidth_Bps = 1e9 }} }}]
-devices = [{{ name = "a", flops = 4e7 }}, {{ name = "b", flops = 4e7 }}, {{ name = "c", flops = 8e7 }}]
-[workload]
-model = "mlp"
-dataset = "digits"
-[optimizer]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-[strategy]
-name = "{strategy}"
-[train]
-batch_size = 32
-[stop]
-max_epochs = {epochs}
-target_accuracy = 0.9
-[dist]
-time_scale = 1.0
-worker_timeout_s = 4
-"""
-HETRAIN = [sys.executable, "-m", "hetrain"]
+
+def start(args: list[str], started: Started) -> subprocess.Popen:
+    """One machine: the run makes its own secret (HETRAIN_SECRET unset)."""
+    return started.start(args, secret=False)
 
 
-def write_config(tmp_path: Path, strategy: str = "asp", epochs: float = 4) -> Path:
-    path = tmp_path / f"{strategy}.toml"
-    path.write_text(CONFIG.format(strategy=strategy, epochs=epochs))
-    return path
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below pid (Linux /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped, not a zombie (a zombie has exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def wait_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until the run has evaluated `rows` times (it is training)."""
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.communicate()}")
-        time.sleep(0.1)
-    raise AssertionError(f"no {rows} evaluations within {timeout_s} s")
-
-
-@pytest.fixture
-def started() -> Iterator[list[tuple[subprocess.Popen, list[int]]]]:
-    """Processes a test started; each with the pids seen below it. All are killed after."""
-    runs: list[tuple[subprocess.Popen, list[int]]] = []
-    yield runs
-    for proc, seen in runs:
-        for pid in [*descendants(proc.pid), *seen]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def start(args: list[str], runs: list, env: dict[str, str] | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    runs.append((proc, []))
-    return proc
-
-
-def workers_of(proc: subprocess.Popen, runs: list) -> list[int]:
+def workers_of(proc: subprocess.Popen) -> list[int]:
     """The spawned worker processes (multiprocessing's spawn children, not its tracker)."""
-    pids = [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
-    runs[-1][1].extend(pids)
-    return pids
-
-
-def finish(proc: subprocess.Popen, timeout_s: float = 90) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout_s)
-    return proc.returncode, out, err
+    return [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
 
 
 def test_frozen_worker_is_dropped_and_the_command_exits(tmp_path, started) -> None:
@@ -143,7 +35,7 @@ def test_frozen_worker_is_dropped_and_the_command_exits(tmp_path, started) -> No
     proc = start([*HETRAIN, "run", str(write_config(tmp_path, epochs=8)), "--runs-dir",
                   str(runs), "--no-plot", "--json"], started)
     wait_rows(runs / "trio", 3, proc)
-    workers = workers_of(proc, started)
+    workers = workers_of(proc)
     assert len(workers) == 3
     os.kill(workers[0], signal.SIGSTOP)
     rc, out, err = finish(proc)
@@ -161,7 +53,7 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, started) -> None:
     proc = start([*HETRAIN, "run", str(write_config(tmp_path)), "--runs-dir", str(runs),
                   "--no-plot", "--quiet"], started)
     wait_rows(runs / "trio", 3, proc)
-    workers = workers_of(proc, started)
+    workers = workers_of(proc)
     os.killpg(proc.pid, signal.SIGINT)
     rc, _, err = finish(proc, 60)
     assert rc == 130, err
@@ -179,7 +71,7 @@ def test_sigterm_on_a_ddp_run_checkpoints_the_workers_model(tmp_path, started) -
     proc = start([*HETRAIN, "run", str(write_config(tmp_path, "ddp")), "--runs-dir", str(runs),
                   "--no-plot", "--quiet"], started)
     wait_rows(runs / "trio", 3, proc)
-    workers = workers_of(proc, started)
+    workers = workers_of(proc)
     proc.send_signal(signal.SIGTERM)
     rc, _, err = finish(proc, 60)
     assert rc == 143, err
@@ -225,7 +117,6 @@ def test_worker_killed_under_torchrun_restarts_and_resumes(tmp_path, started) ->
                   "--runs-dir", str(runs), "--no-plot", "--json"], started)
     wait_rows(runs / "trio", 3, proc)
     ranks = {environ(p).get("RANK"): p for p in descendants(proc.pid) if "hetrain" in cmdline(p)}
-    started[-1][1].extend(ranks.values())
     os.kill(ranks["2"], signal.SIGKILL)
     rc, out, err = finish(proc, 240)
     assert rc == 0, err[-3000:]

@@ -2,147 +2,43 @@
 127.0.0.1, a node killed, a node alone, SIGTERM, and (slow) two network namespaces.
 
 Every process a test starts carries a tag in its environment; the `started` fixture kills
-every process with that tag (and the network namespaces it made) whatever happens."""
+every process with that tag (and the network namespaces it made) whatever happens
+(tests/procs.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hetrain.cli import main
 from hetrain.engine import nodes
+from procs import (
+    DEVICES,
+    HETRAIN,
+    SECRET,
+    Started,
+    alive,
+    children,
+    finish,
+    free_port,
+    tagged,
+    wait_rows,
+    write_trio,
+)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
-CONFIG = """
-name = "trio"
-engine = "dist"
-[cluster]
-name = "trio"
-sites = [{{ name = "s", lan = {{ bandwidth_Bps = 1e9 }}, wan = {{ bandwidth_Bps = 1e9 }} }}]
-devices = [{devices}]
-[workload]
-model = "mlp"
-dataset = "digits"
-[optimizer]
-name = "sgd"
-lr = 0.05
-momentum = 0.9
-[strategy]
-name = "asp"
-[train]
-batch_size = 32
-[stop]
-max_epochs = {epochs}
-target_accuracy = 0.9
-[dist]
-time_scale = 1.0
-worker_timeout_s = 4
-"""
-DEVICES = '{ name = "a", flops = 4e7 }, { name = "b", flops = 4e7 }, { name = "c", flops = 8e7 }'
 FAST_FIRST = '{ name = "c", flops = 8e7 }, { name = "a", flops = 4e7 }, { name = "b", flops = 4e7 }'
-HETRAIN = [sys.executable, "-m", "hetrain"]
-TAG = "HETRAIN_TEST_NODES"
-SECRET = "0123456789abcdef" * 4
 
 
 def write_config(tmp_path: Path, epochs: float = 4, devices: str = DEVICES) -> Path:
-    path = tmp_path / "trio.toml"
-    path.write_text(CONFIG.format(epochs=epochs, devices=devices))
-    return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def tagged(tag: str) -> list[int]:
-    """Live processes whose environment carries the tag."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if f"{TAG}={tag}".encode() in (proc / "environ").read_bytes().split(b"\0") \
-                    and alive(int(proc.name)):
-                out.append(int(proc.name))
-        except OSError:
-            continue
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped, not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(k) for k in (task / "children").read_text().split()]
-    return out
-
-
-class Started:
-    """The processes of one test: all carry `tag`; `kill_all` ends every one of them."""
-
-    def __init__(self) -> None:
-        self.tag = uuid.uuid4().hex
-        self.procs: list[subprocess.Popen] = []
-        self.namespaces: list[str] = []
-
-    def start(self, args: list[str], netns: str = "") -> subprocess.Popen:
-        env = {**os.environ, TAG: self.tag, "HETRAIN_SECRET": SECRET}
-        cmd = ["ip", "netns", "exec", netns, *args] if netns else args
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env=env)
-        self.procs.append(proc)
-        return proc
-
-    def kill_all(self) -> None:
-        for _ in range(3):
-            for pid in tagged(self.tag):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            for ns in self.namespaces:
-                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                      text=True).stdout.split()
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
-            time.sleep(0.2)
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.communicate(timeout=10)
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-@pytest.fixture
-def started() -> Iterator[Started]:
-    s = Started()
-    try:
-        yield s
-    finally:
-        s.kill_all()
+    return write_trio(tmp_path, "asp", epochs, devices)
 
 
 def node(started: Started, config: Path, rank: int, master: str, runs: Path,
@@ -150,22 +46,6 @@ def node(started: Started, config: Path, rank: int, master: str, runs: Path,
     return started.start([*HETRAIN, "launch", str(config), "--nnodes", "2", "--node-rank",
                           str(rank), "--nproc-per-node", nproc, "--master", master,
                           "--runs-dir", str(runs), *extra], netns=netns)
-
-
-def finish(proc: subprocess.Popen, timeout_s: float = 120) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout_s)
-    return proc.returncode, out, err
-
-
-def wait_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout_s: float = 90) -> None:
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"node 0 ended early: {proc.communicate()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {rows} evaluations within {timeout_s} s")
 
 
 def summary(runs: Path) -> dict:
