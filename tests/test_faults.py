@@ -80,6 +80,22 @@ def test_sigterm_on_a_ddp_run_checkpoints_the_workers_model(tmp_path, started) -
     assert not [p for p in workers if alive(p)]
 
 
+def test_a_ddp_run_losing_a_worker_stops_with_the_checkpoint_it_promises(tmp_path,
+                                                                          started) -> None:
+    """A synchronous run cannot go on without a worker: one line, exit 2, and a checkpoint of
+    the model a surviving worker holds."""
+    runs = tmp_path / "runs"
+    proc = start([*HETRAIN, "run", str(write_config(tmp_path, "ddp")), "--runs-dir", str(runs),
+                  "--no-plot", "--quiet"], started)
+    wait_rows(runs / "trio", 3, proc)
+    os.kill(workers_of(proc)[1], signal.SIGKILL)
+    rc, _, err = finish(proc, 60)
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "cannot go on without its lost worker" in last and "checkpoint.pt" in last, err
+    assert (runs / "trio" / "checkpoint.pt").is_file() and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_resume_after_sigterm_reaches_the_uncut_accuracy(tmp_path, started) -> None:
     config = write_config(tmp_path)
