@@ -84,7 +84,7 @@ def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: '{part}' is not a section")
         node[last] = value
-    return config_from_dict(data)
+    return config_from_dict(data, registered_strategy=True)
 
 
 def _compare_names(compare: str) -> list[str]:
