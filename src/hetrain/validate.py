@@ -1,6 +1,7 @@
 """Input validation: one set of rules for everything a user hands hetrain before it trains.
 
-Config loading (hetrain.config) and the workload registry call these checks, so that a bad input fails at once with one ConfigError that names
+Config loading (hetrain.config), cluster files (hetrain.cluster) and the workload registry
+call these checks, so that a bad input fails at once with one ConfigError that names
 the key, what it must be and how to fix it, before any data is loaded, any process spawned or
 any file written:
 
