@@ -158,7 +158,8 @@ class DistConfig:
     """Rendezvous port when hetrain spawns the processes itself (0: a free one)."""
     ps_shards: int = 1
     """PS strategies: parameter-server ranks, each holding a block of the parameter tensors
-    (world size = devices + ps_shards); rank 0 is also the coordinator and holds block 0."""
+    (world size = devices + ps_shards); rank 0 is also the coordinator and holds block 0.
+    At most the cluster's number of devices and the model's number of parameter tensors."""
 
     def __post_init__(self) -> None:
         _check_choice("dist.backend", self.backend, ("gloo", "nccl"))

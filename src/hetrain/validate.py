@@ -1,7 +1,7 @@
 """Input validation: one set of rules for everything a user hands hetrain before it trains.
 
-Config loading (hetrain.config), cluster files (hetrain.cluster) and the workload registry
-call these checks, so that a bad input fails at once with one ConfigError that names
+Config loading (hetrain.config), cluster files (hetrain.cluster), the workload registry and
+the CLI call these checks, so that a bad input fails at once with one ConfigError that names
 the key, what it must be and how to fix it, before any data is loaded, any process spawned or
 any file written:
 
@@ -12,7 +12,9 @@ any file written:
   dataclass that consumes them, the values against its annotations, and the ranges in
   `OPTION_LIMITS`;
 - files and names: `read_text_file` (missing, a directory, binary, not UTF-8), `check_run_name`
-  (a run directory under the runs dir, never outside it).
+  (a run directory under the runs dir, never outside it), `check_runs_dir`;
+- `preflight`: what needs more than the config itself (the cluster file, the number of PS
+  shards it can take, the runs dir), run by the CLI before it starts a run.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hetrain.config import RunConfig
 
 MAX_DEVICES = 100_000
 """Largest cluster (devices, `count` included) a cluster file may declare."""
@@ -459,3 +464,77 @@ def read_text_file(path: str | Path, what: str = "config file",
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} '{p}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
                           f"offset {e.start}); save it as UTF-8") from None
+
+
+def check_output_dir(path: str | Path, flag: str = "--runs-dir",
+                     names: list[str] | tuple[str, ...] = ()) -> None:
+    """The directory `path` given with `flag` (and path/<name> for each name) can be created
+    and written: checked before a command does any work, not when it saves its results."""
+    root = Path(path)
+    at = f"{flag} '{root}'"
+    for p in (root, *(root / n for n in names)):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{at}: '{p}' is a file, not a directory; pass another {flag} "
+                              f"or move the file")
+    parent = root
+    while not parent.exists() and parent.parent != parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"{at}: '{parent}' is a file, so the directory cannot be created; "
+                          f"pass another {flag}")
+    if parent.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{at}: '{parent}' is not writable; pass another {flag}")
+
+
+def check_runs_dir(runs_dir: str | Path, names: list[str] | tuple[str, ...] = ()) -> None:
+    """The runs dir (and runs_dir/<name> for each run) can be created and written."""
+    check_output_dir(runs_dir, "--runs-dir", names)
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """A file a command will write (`flag` names the option): not a directory, in an
+    existing, writable directory."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} '{p}' is a directory; give a file path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} '{p}': the directory '{parent}' does not exist; create it "
+                          f"or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} '{p}' is not writable; give another path")
+
+
+def check_ps_shard_count(shards: int, strategy: str, comm: str | None, devices: int,
+                    tensors: int | None = None) -> None:
+    """dist.ps_shards > 1 needs a PS strategy (`comm`: the strategy class's, None: not known
+    yet), a whole parameter tensor per shard (`tensors`: the model's count, None: not built
+    yet) and at most one shard per device of the cluster."""
+    if shards == 1:
+        return
+    if comm is not None and comm != "ps":
+        raise ConfigError(f"dist.ps_shards = {shards}: strategy '{strategy}' all-reduces among "
+                          f"the workers and has no parameter server; set dist.ps_shards = 1 or "
+                          f"pick a PS strategy")
+    if tensors is not None and shards > tensors:
+        raise ConfigError(f"dist.ps_shards = {shards} but the model has only {tensors} "
+                          f"parameter tensors (a shard holds whole tensors); use at most "
+                          f"{tensors}")
+    if shards > devices:
+        raise ConfigError(f"dist.ps_shards = {shards} is more parameter-server shards than the "
+                          f"cluster has devices ({devices}); use at most {devices}")
+
+
+def preflight(cfg: RunConfig, runs_dir: str | Path | None = None) -> None:
+    """What the CLI checks before a run starts, beyond the config itself: the cluster (a file
+    or preset must load), dist.ps_shards against it, and the runs dir."""
+    from hetrain.cluster import load_cluster
+    from hetrain.strategies.registry import REGISTRY
+
+    cluster = load_cluster(cfg.cluster)
+    if cfg.engine == "dist":
+        cls = REGISTRY.get(cfg.strategy.name)
+        check_ps_shard_count(cfg.dist.ps_shards, cfg.strategy.name,
+                        cls.comm if cls is not None else None, cluster.n)
+    if runs_dir is not None:
+        check_runs_dir(runs_dir, [cfg.name])

@@ -22,6 +22,7 @@ from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_u
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
+from hetrain.validate import check_runs_dir, preflight
 
 DEMO_STRATEGIES = ("auto", "cadp", "ashl", "ddp")
 """Strategies the demo compares side by side (those registered in this build)."""
@@ -133,6 +134,10 @@ def main(args: argparse.Namespace) -> int:
                               "--engine dist (the simulator writes no checkpoints)")
         configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, resume=True))
                    for c in configs]
+    for cfg in configs:  # every run's inputs, before the first one starts
+        preflight(cfg, args.runs_dir)
+    if not args.no_plot and len(configs) > 1:
+        check_runs_dir(args.runs_dir, [base.name + "-report"])
     results: list[RunResult] = []
     for cfg in configs:
         with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:
