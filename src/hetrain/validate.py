@@ -193,6 +193,21 @@ OPTION_LIMITS: dict[tuple[str, str, str], Limit] = {
     ("strategy", "auto", "min_device_batch"): integer(1, 10**9),
     # compressors
     ("compression", "qsgd", "seed"): _SEED,
+    # `hetrain plan --model M --model-option KEY=VALUE` (layer graphs for the cost model)
+    ("plan", "gpt", "n_layer"): integer(1, 128),
+    ("plan", "gpt", "n_embd"): integer(1, 65536),
+    ("plan", "gpt", "n_head"): integer(1, 1024),
+    ("plan", "gpt", "vocab"): integer(1, 10**7),
+    ("plan", "gpt", "block_size"): integer(1, 10**6),
+    ("plan", "vgg", "image"): integer(1, 4096, length=(3, 3)),
+    ("plan", "vgg", "width"): integer(1, 4096),
+    ("plan", "vgg", "convs"): integer(0, 16, length=(1, 8)),
+    ("plan", "vgg", "fc"): integer(1, 65536),
+    ("plan", "vgg", "num_classes"): integer(1, 10**6),
+    ("plan", "mlp", "input_shape"): integer(1, 10**6, length=(1, 3)),
+    ("plan", "mlp", "num_classes"): integer(1, 10**5),
+    ("plan", "cnn", "input_shape"): integer(1, 10**6, length=(1, 3)),
+    ("plan", "cnn", "num_classes"): integer(1, 10**5),
 }
 """Ranges of the built-in option tables' values, by (kind, name, option). Options not listed
 need only be finite and of their annotated type (the consumer checks the rest)."""
@@ -379,6 +394,13 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
         _check_value(f"{table}.{key}" if table else f"{what}: option {key}",
                      f" ({what})" if table else "", value, hints.get(key, Any),
                      OPTION_LIMITS.get((kind, name, key)))
+
+
+def check_limits(kind: str, name: str, values: Mapping[str, Any], table: str) -> None:
+    """Values already of the right type (e.g. parsed from the command line) against
+    OPTION_LIMITS[(kind, name, key)]; `table` names where they came from."""
+    for key, value in values.items():
+        _check_value(f"{table} {key}", "", value, Any, OPTION_LIMITS.get((kind, name, key)))
 
 
 # ---- the parts of a run config that name registered things --------------------------------
