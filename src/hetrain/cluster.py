@@ -25,6 +25,14 @@ else:  # pragma: no cover
 import tomli_w
 
 from hetrain.errors import ConfigError
+from hetrain.validate import (
+    MAX_DEVICES,
+    check_number,
+    integer,
+    non_negative,
+    positive,
+    read_text_file,
+)
 
 
 @dataclass(frozen=True)
@@ -68,14 +76,12 @@ class Device:
     """The device's own access link, in series with every path it takes (None: not a bottleneck)."""
 
     def __post_init__(self) -> None:
-        if not self.name:
+        if not self.name or not isinstance(self.name, str):
             raise ConfigError("device name must be a non-empty string")
-        if not (self.flops > 0 and math.isfinite(self.flops)):
-            raise ConfigError(f"device '{self.name}': flops must be a positive number, got {self.flops}")
-        if not self.memory_bytes > 0:
-            raise ConfigError(f"device '{self.name}': memory_bytes must be > 0")
-        if self.step_overhead_s < 0:
-            raise ConfigError(f"device '{self.name}': step_overhead_s must be >= 0")
+        check_number(f"device '{self.name}': flops", self.flops, positive())
+        check_number(f"device '{self.name}': memory_bytes", self.memory_bytes, positive())
+        check_number(f"device '{self.name}': step_overhead_s", self.step_overhead_s,
+                     non_negative())
 
     def compute_time_s(self, samples: int, flops_per_sample: float, steps: int = 1) -> float:
         """Time to run `steps` optimizer steps over `samples` samples in total."""
@@ -235,7 +241,7 @@ class Cluster:
             raise ConfigError(f"cluster file '{p}' not found; give a TOML file or a preset name "
                               f"({', '.join(sorted(PRESETS))})")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(read_text_file(p, "cluster file"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"cluster file '{p}' is not valid TOML: {e}") from None
         return _cluster_from_dict(data, str(p))
@@ -266,6 +272,19 @@ def _number(where: str, key: str, value: Any) -> float:
     return float(value)
 
 
+def _name(where: str, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    return value
+
+
+def _tables(where: str, key: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: '{key}' must be an array of tables ([[{key}]] entries), "
+                          f"got {value!r}")
+    return value
+
+
 def _link(where: str, data: Any) -> Link:
     check_keys(where, data, _LINK_KEYS, {"bandwidth_Bps"})
     return Link(_number(where, "bandwidth_Bps", data["bandwidth_Bps"]),
@@ -275,30 +294,43 @@ def _link(where: str, data: Any) -> Link:
 def _cluster_from_dict(data: Mapping[str, Any], source: str) -> Cluster:
     check_keys(source, data, _CLUSTER_KEYS, {"devices", "sites"})
     sites = []
-    for k, s in enumerate(data["sites"]):
+    for k, s in enumerate(_tables(source, "sites", data["sites"])):
         where = f"{source}: sites[{k}]"
         check_keys(where, s, _SITE_KEYS, {"name", "lan", "wan"})
-        sites.append(Site(str(s["name"]), _link(f"{where}.lan", s["lan"]),
+        sites.append(Site(_name(where, "name", s["name"]), _link(f"{where}.lan", s["lan"]),
                           _link(f"{where}.wan", s["wan"])))
-    devices = []
-    for k, d in enumerate(data["devices"]):
+    entries = _tables(source, "devices", data["devices"])
+    counts = []
+    for k, d in enumerate(entries):
         where = f"{source}: devices[{k}]"
         check_keys(where, d, _DEVICE_KEYS, {"name", "flops"})
-        count = int(d.get("count", 1))
-        if count < 1:
-            raise ConfigError(f"{where}: 'count' must be >= 1")
+        _name(where, "name", d["name"])
+        if "site" in d:
+            _name(where, "site", d["site"])
+        counts.append(int(check_number(f"{where}: 'count'", d.get("count", 1),
+                                       integer(1, MAX_DEVICES))))
+        if sum(counts) > MAX_DEVICES:
+            raise ConfigError(f"{where}: the cluster would have {sum(counts):,} devices; a "
+                              f"cluster has at most {MAX_DEVICES:,} (lower 'count')")
+    devices = []
+    for k, (d, count) in enumerate(zip(entries, counts, strict=True)):
+        where = f"{source}: devices[{k}]"
         for c in range(count):
             devices.append(Device(
-                name=str(d["name"]) if count == 1 else f"{d['name']}-{c}",
+                name=d["name"] if count == 1 else f"{d['name']}-{c}",
                 flops=_number(where, "flops", d["flops"]),
                 memory_bytes=_number(where, "memory_bytes", d.get("memory_bytes", 16e9)),
-                site=str(d.get("site", sites[0].name if sites else "site0")),
+                site=d.get("site", sites[0].name if sites else "site0"),
                 step_overhead_s=_number(where, "step_overhead_s", d.get("step_overhead_s", 0.0)),
                 link=_link(f"{where}.link", d["link"]) if "link" in d else None,
             ))
     ps_nic = _link(f"{source}: ps_nic", data["ps_nic"]) if "ps_nic" in data else None
-    return Cluster(name=str(data.get("name", Path(source).stem)), devices=tuple(devices),
-                   sites=tuple(sites), ps_site=str(data.get("ps_site", "")), ps_nic=ps_nic,
+    name = _name(source, "name", data["name"]) if "name" in data else Path(source).stem
+    ps_site = data.get("ps_site", "")  # "": the first site
+    if not isinstance(ps_site, str):
+        raise ConfigError(f"{source}: 'ps_site' must be a site's name, got {ps_site!r}")
+    return Cluster(name=name, devices=tuple(devices),
+                   sites=tuple(sites), ps_site=ps_site, ps_nic=ps_nic,
                    ps_message_s=_number(source, "ps_message_s", data.get("ps_message_s", 0.0)))
 
 

@@ -44,19 +44,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hetrain import validate
 from hetrain.errors import ConfigError
 
 
 def _check_choice(where: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{where} = {value!r} is not allowed; choose one of: {', '.join(allowed)}")
-
-
-def _check_positive(where: str, value: float, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not ok:
-        raise ConfigError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} "
-                          f"number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -80,11 +74,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _check_choice("optimizer.name", self.name, ("sgd", "adam", "adamw"))
-        _check_positive("optimizer.lr", self.lr)
-        _check_positive("optimizer.momentum", self.momentum, allow_zero=True)
-        _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
-        if self.momentum >= 1:
-            raise ConfigError(f"optimizer.momentum must be < 1, got {self.momentum}")
+        validate.check_fields("optimizer", self)
 
 
 @dataclass(frozen=True)
@@ -113,12 +103,7 @@ class TrainConfig:
     """torch intra-op threads (1 is fastest for many small replicas)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"train.batch_size must be an integer >= 1, got {self.batch_size!r}")
-        _check_positive("train.eval_every_epochs", self.eval_every_epochs)
-        _check_positive("train.eval_every_s", self.eval_every_s, allow_zero=True)
-        if not isinstance(self.threads, int) or self.threads < 1:
-            raise ConfigError(f"train.threads must be an integer >= 1, got {self.threads!r}")
+        validate.check_fields("train", self)
 
 
 @dataclass(frozen=True)
@@ -135,11 +120,7 @@ class StopConfig:
     """End the run as soon as the target is reached."""
 
     def __post_init__(self) -> None:
-        _check_positive("stop.max_epochs", self.max_epochs)
-        _check_positive("stop.max_time_s", self.max_time_s, allow_zero=True)
-        if not 0 <= self.target_accuracy <= 1:
-            raise ConfigError(f"stop.target_accuracy must be in [0, 1], got {self.target_accuracy}")
-        _check_positive("stop.target_loss", self.target_loss, allow_zero=True)
+        validate.check_fields("stop", self)
 
 
 @dataclass(frozen=True)
@@ -177,23 +158,13 @@ class DistConfig:
     """Rendezvous port when hetrain spawns the processes itself (0: a free one)."""
     ps_shards: int = 1
     """PS strategies: parameter-server ranks, each holding a block of the parameter tensors
-    (world size = devices + ps_shards); rank 0 is also the coordinator and holds block 0."""
+    (world size = devices + ps_shards); rank 0 is also the coordinator and holds block 0.
+    At most the cluster's number of devices and the model's number of parameter tensors."""
 
     def __post_init__(self) -> None:
         _check_choice("dist.backend", self.backend, ("gloo", "nccl"))
         _check_choice("dist.emulate", self.emulate, ("none", "cluster", "relative"))
-        _check_positive("dist.time_scale", self.time_scale)
-        _check_positive("dist.contention_k", self.contention_k)
-        _check_positive("dist.worker_timeout_s", self.worker_timeout_s)
-        _check_positive("dist.init_timeout_s", self.init_timeout_s)
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ConfigError(f"dist.checkpoint_every must be an integer >= 0, got "
-                              f"{self.checkpoint_every!r}")
-        if not isinstance(self.ps_shards, int) or isinstance(self.ps_shards, bool) \
-                or self.ps_shards < 1:
-            raise ConfigError(f"dist.ps_shards must be an integer >= 1, got {self.ps_shards!r}")
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ConfigError(f"dist.port must be an integer in [0, 65535], got {self.port!r}")
+        validate.check_fields("dist", self)
 
 
 ENGINES = ("sim", "dist")
@@ -202,6 +173,8 @@ ENGINES = ("sim", "dist")
 @dataclass(frozen=True)
 class RunConfig:
     name: str = "run"
+    """The run's directory, <runs dir>/<name>/: one path component (no '/', '\\' or '..');
+    default: the config file's name without .toml."""
     cluster: str | dict[str, Any] = "hetero-8"
     """Preset name, path to a cluster TOML (relative to the config file), or an inline table."""
     engine: str = "sim"
@@ -213,6 +186,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
+        validate.check_run_name(self.name)
         _check_choice("engine", self.engine, ENGINES)
 
     def replace(self, **changes: Any) -> RunConfig:
@@ -249,8 +223,17 @@ def _section(name: str, cls: type, data: Any) -> Any:
     return cls(**kwargs)
 
 
-def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> RunConfig:
-    """Validate a parsed TOML document into a RunConfig (strategy options checked on build)."""
+def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None, *,
+                     registered_strategy: bool = False) -> RunConfig:
+    """Validate a parsed TOML document into a RunConfig: every key, type and range, and the
+    option tables against the model, data set, strategy and compressor that take them
+    (hetrain.validate), so that a bad value fails here, before any data is loaded.
+
+    A strategy name that is not registered is left to whoever runs the config (a Strategy
+    instance passed with it, or make_strategy's error), unless `registered_strategy`: a
+    config file or the command line can only name registered strategies."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a run config must be a table, got {type(data).__name__}")
     top = {"name", "cluster", "engine", "strategy", *_SECTIONS}
     unknown = sorted(set(data) - top)
     if unknown:
@@ -268,17 +251,26 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None) -> R
         cluster = str(p if p.is_absolute() else base_dir / p)
     elif not isinstance(cluster, str | Mapping):
         raise ConfigError("cluster must be a preset name, a path to a TOML file, or a table")
-    return RunConfig(name=str(data.get("name", "run")), cluster=cluster,
-                     engine=str(data.get("engine", "sim")), **kwargs)
+    cfg = RunConfig(name=validate.check_run_name(data.get("name", "run")), cluster=cluster,
+                    engine=str(data.get("engine", "sim")), **kwargs)
+    w = cfg.workload
+    validate.check_workload(w.model, w.dataset, w.model_options, w.dataset_options)
+    validate.check_strategy(cfg.strategy.name, cfg.strategy.options,
+                            registered=registered_strategy)
+    validate.check_compression(cfg.train.compression, cfg.train.compression_options)
+    if isinstance(cfg.cluster, Mapping):
+        from hetrain.cluster import load_cluster
+
+        load_cluster(cfg.cluster)
+    return cfg
 
 
 def load_config(path: str | Path) -> RunConfig:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' not found")
+    text = validate.read_text_file(p, "config file")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from None
     data.setdefault("name", p.stem)
-    return config_from_dict(data, base_dir=p.parent)
+    return config_from_dict(data, base_dir=p.parent, registered_strategy=True)

@@ -16,11 +16,13 @@ import inspect
 import itertools
 import sys
 import textwrap
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 from hetrain import cluster as cluster_mod
 from hetrain import config as config_mod
+from hetrain.validate import FIELD_LIMITS, OPTION_LIMITS, Limit
 
 CONFIG_SECTIONS: tuple[tuple[str, type], ...] = tuple(
     (name, cls) for name, cls in config_mod._SECTIONS.items())
@@ -36,6 +38,13 @@ A run is one TOML file (`hetrain run run.toml`); `hetrain.train(...)` builds the
 from its arguments and its `config=` tables, and validates it the same way. Unknown keys and
 values of the wrong type are errors that name the key and the allowed values. Override any key
 on the command line with `--set section.key=VALUE` (VALUE parsed as TOML).
+
+Every number must be finite and in the range its row names; an integer must be written as one
+(`2`, not `2.0`). Option tables (`model_options`, `dataset_options`, strategy options,
+`compression_options`) are checked against the model, data set, strategy or compressor that
+takes them, keys, types and ranges (see `hetrain.validate`), before any data is loaded. A bad
+input makes `hetrain` print one line, `hetrain: error: ...`, and exit with code 2, having
+written nothing.
 """
 
 
@@ -96,8 +105,10 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def field_table(cls: type, skip: tuple[str, ...] = ()) -> list[str]:
-    """A markdown table: key | type | default | meaning, one row per init field."""
+def field_table(cls: type, skip: tuple[str, ...] = (),
+                limits: Callable[[str], Limit | None] = lambda key: None) -> list[str]:
+    """A markdown table: key | type | default | meaning, one row per init field; a field
+    with a range (hetrain.validate) says so at the end of its meaning."""
     docs = _field_docs(cls)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
@@ -105,8 +116,10 @@ def field_table(cls: type, skip: tuple[str, ...] = ()) -> list[str]:
             continue
         default = _default(f)
         shown = "(required)" if default is REQUIRED else toml_value(default)
-        rows.append(f"| `{f.name}` | {_type_name(f)} | `{_cell(shown)}` | "
-                    f"{_cell(docs.get(f.name, ''))} |")
+        meaning = docs.get(f.name, "")
+        if (limit := limits(f.name)) is not None:
+            meaning = f"{meaning} Must be {limit.describe()}.".strip()
+        rows.append(f"| `{f.name}` | {_type_name(f)} | `{_cell(shown)}` | {_cell(meaning)} |")
     return rows
 
 
@@ -129,7 +142,8 @@ def _run_section() -> list[str]:
         out += [f"## [{name}]", ""]
         if intro := _first_line(cls):
             out += [intro, ""]
-        out += [*field_table(cls), ""]
+        out += [*field_table(cls, limits=lambda key, n=name: FIELD_LIMITS.get(f"{n}.{key}")),
+                ""]
     return out
 
 
@@ -150,7 +164,8 @@ def _strategy_section() -> list[str]:
         out += [f"### name = \"{name}\"", "",
                 f"{_first_line(cls)} (comm `{cls.comm}`, update `{cls.update}`)", ""]
         if any(f.init for f in dataclasses.fields(cls)):
-            out += [*field_table(cls), ""]
+            out += [*field_table(
+                cls, limits=lambda key, n=name: OPTION_LIMITS.get(("strategy", n, key))), ""]
         else:
             out += ["No options.", ""]
     return out

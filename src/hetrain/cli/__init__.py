@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from hetrain import __version__
 from hetrain.engine.signals import RunInterrupted
@@ -18,13 +19,21 @@ COMMANDS = ("run", "launch", "profile", "plan", "report")
 """Subcommand modules under hetrain.cli, in the order `--help` lists them."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes get the one line every user error gets (not argparse's usage
+    block): `hetrain: error: <what>; see '<command> --help'`, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"hetrain: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hetrain",
         description="Train PyTorch models across heterogeneous devices faster than DDP: "
                     "profile -> plan -> train -> report.")
     parser.add_argument("--version", action="version", version=f"hetrain {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"hetrain.cli.{name}")

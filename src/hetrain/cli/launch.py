@@ -23,6 +23,7 @@ from hetrain.engine import auth, nodes
 from hetrain.errors import ConfigError
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
+from hetrain.validate import MAX_DEVICES, check_number, integer, preflight
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +147,11 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_number("--nnodes", args.nnodes, integer(1, MAX_DEVICES))
+    check_number("--node-rank", args.node_rank, integer(0, args.nnodes - 1),
+                 "node 0 hosts the server; the others are 1 .. --nnodes - 1")
+    check_number("--nproc", args.nproc, integer(0, MAX_DEVICES + 1024), "0: from the cluster")
+    check_number("--nproc-per-node", args.nproc_per_node, integer(0, MAX_DEVICES + 1024))
     if args.nnodes > 1:
         return launch_nodes(args)
     if args.nnodes < 1:
@@ -155,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(given)}: only for several machines (--nnodes > 1); on "
                           "one machine hetrain spawns every process itself (--nproc, --port)")
     cfg = prepare_config(args)
+    preflight(cfg, args.runs_dir)
     out = Output(args.quiet, args.json)
     with out.progress(f"{cfg.name} [{cfg.strategy.name}, dist]") as progress:
         result = run_config(cfg, runs_root=args.runs_dir, progress=progress)

@@ -36,21 +36,30 @@ class Output:
 
     @contextmanager
     def progress(self, label: str) -> Iterator[ProgressFn]:
-        """A progress bar for one run; yields the callback engines call."""
+        """A progress bar for one run; yields the callback engines call. The bar appears at
+        the first call (the run's first evaluation), so that a run that fails while it is
+        set up (a bad data set, a bad option) prints its one-line error and nothing else."""
         if self.quiet:
             yield lambda frac, row: None
             return
         bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                        TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), console=self.err, transient=False)
-        with bar:
-            task = bar.add_task(escape(label), total=1.0, info="")
+        task = None
 
-            def update(frac: float, row: dict[str, Any] | None) -> None:
-                info = ""
-                if row is not None:
-                    info = (f"t={row['time_s']:.3g}s  ep={row['epoch']:.2f}  "
-                            f"acc={row['test_accuracy']:.3f}  loss={row['test_loss']:.3f}")
-                bar.update(task, completed=frac, info=info)
+        def update(frac: float, row: dict[str, Any] | None) -> None:
+            nonlocal task
+            if task is None:
+                bar.start()
+                task = bar.add_task(escape(label), total=1.0, info="")
+            info = ""
+            if row is not None:
+                info = (f"t={row['time_s']:.3g}s  ep={row['epoch']:.2f}  "
+                        f"acc={row['test_accuracy']:.3f}  loss={row['test_loss']:.3f}")
+            bar.update(task, completed=frac, info=info)
 
+        try:
             yield update
+        finally:
+            if task is not None:
+                bar.stop()

@@ -8,8 +8,8 @@ import dataclasses
 
 from hetrain.cli.output import Output
 from hetrain.config import StrategyConfig, load_config
-from hetrain.errors import ConfigError
 from hetrain.parallel.cli_plan import add_plan_arguments, plan_from_args
+from hetrain.validate import check_number, non_negative
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,8 +40,7 @@ def explain_goodput(config: str, noise_scale: float = 0.0, as_json: bool = False
     from hetrain.engine.setup import prepare
     from hetrain.plan.goodput import explain, lone_goodput
 
-    if noise_scale < 0:
-        raise ConfigError(f"--noise-scale must be >= 0 (0: the prior), got {noise_scale}")
+    check_number("--noise-scale", noise_scale, non_negative(1e12), "0: the prior")
     cfg = demo_config() if config == "demo" else load_config(config)
     options = dict(cfg.strategy.options) if cfg.strategy.name == "auto" else {}
     if noise_scale:

@@ -13,6 +13,8 @@ from pathlib import Path
 from hetrain.cli.output import Output
 from hetrain.cli.run import apply_overrides
 from hetrain.config import load_config
+from hetrain.errors import ConfigError
+from hetrain.validate import preflight
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +41,12 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = apply_overrides(load_config(args.config), args.set)
     cfg = dataclasses.replace(cfg, engine="dist")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    preflight(cfg, args.runs_dir if not (args.out and args.profile_out) else None)
+    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out)):
+        if path and Path(path).is_dir():
+            raise ConfigError(f"{flag} '{path}' is a directory; give a file path")
     out = Output(args.quiet, args.json)
     profile, cluster = measure(cfg, steps=args.steps)
     root = Path(args.runs_dir)

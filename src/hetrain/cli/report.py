@@ -10,6 +10,7 @@ from hetrain.errors import ConfigError
 from hetrain.report.metrics import load_run
 from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
 from hetrain.report.table import comparison_rows, comparison_table
+from hetrain.validate import check_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,7 @@ def main(args: argparse.Namespace) -> int:
     if not runs:
         raise ConfigError("give at least one run directory")
     out_dir = Path(args.out) if args.out else Path(runs[0].run_dir or ".").parent / "report"
+    check_output_dir(out_dir, "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
     out.print(comparison_table(runs))
     tta = plot_time_to_accuracy(runs, out_dir / "time_to_accuracy.png")

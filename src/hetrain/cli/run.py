@@ -22,6 +22,7 @@ from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_u
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
+from hetrain.validate import check_runs_dir, preflight
 
 DEMO_STRATEGIES = ("auto", "cadp", "ashl", "ddp")
 """Strategies the demo compares side by side (those registered in this build)."""
@@ -87,7 +88,7 @@ def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: '{part}' is not a section")
         node[last] = value
-    return config_from_dict(data)
+    return config_from_dict(data, registered_strategy=True)
 
 
 def _compare_names(compare: str) -> list[str]:
@@ -139,6 +140,10 @@ def main(args: argparse.Namespace) -> int:
     if args.port is not None:
         configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, port=args.port))
                    for c in configs]
+    for cfg in configs:  # every run's inputs, before the first one starts
+        preflight(cfg, args.runs_dir)
+    if not args.no_plot and len(configs) > 1:
+        check_runs_dir(args.runs_dir, [base.name + "-report"])
     results: list[RunResult] = []
     for cfg in configs:
         with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:

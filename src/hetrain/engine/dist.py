@@ -69,6 +69,7 @@ from hetrain.engine.sim import ProgressFn
 from hetrain.errors import ConfigError, HetrainError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
+from hetrain.validate import check_ps_shard_count
 from hetrain.workloads import Workload, flops_per_sample, get_workload
 
 __all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "run_distributed",
@@ -254,19 +255,13 @@ def _worker_group(world_size: int, shards: int) -> dist.ProcessGroup | None:
 
 
 def check_ps_shards_fit(prep: Prepared) -> None:
-    """dist.ps_shards needs a PS strategy and at least one parameter tensor per shard."""
+    """dist.ps_shards needs a PS strategy, at least one parameter tensor per shard and at
+    most one shard per device (hetrain.validate.check_ps_shard_count)."""
     shards = prep.cfg.dist.ps_shards
     if shards == 1:
         return
-    if prep.strategy.comm != "ps":
-        raise ConfigError(f"dist.ps_shards = {shards}: strategy '{prep.strategy.name}' "
-                          f"all-reduces among the workers and has no parameter server; set "
-                          f"dist.ps_shards = 1 or pick a PS strategy")
-    tensors = len(list(prep.workload.build_model().parameters()))
-    if shards > tensors:
-        raise ConfigError(f"dist.ps_shards = {shards} but the model has only {tensors} "
-                          f"parameter tensors (a shard holds whole tensors); use at most "
-                          f"{tensors}")
+    check_ps_shard_count(shards, prep.strategy.name, prep.strategy.comm, prep.cluster.n,
+                    len(list(prep.workload.build_model().parameters())))
 
 
 def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,

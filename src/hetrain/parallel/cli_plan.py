@@ -20,7 +20,12 @@ from hetrain.errors import ConfigError
 from hetrain.plan.cost import CostOptions, CostReport, plan_summary
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
 from hetrain.plan.search import SearchOptions, SearchResult, search_plan
+from hetrain.validate import check_limits, check_number, check_output_file, integer, non_negative
 
+TRACE_MAX_INPUT = 10**6
+"""mlp and cnn are built and traced in memory: the largest input (values per sample)..."""
+TRACE_MAX_BATCH = 10**8
+"""...and batch x input values they are traced on."""
 GPT_DEFAULTS = dict(n_layer=2, n_embd=64, n_head=2, vocab=96, block_size=64)
 VGG_DEFAULTS = dict(image="3,32,32", width=16, convs="1,1,2", fc=128, num_classes=10)
 
@@ -49,24 +54,41 @@ def model_graph(model: str, batch: int, options: dict[str, str]) -> LayerGraph:
                               f"allowed: {sorted(defaults)}")
         return {**defaults, **options}
 
+    def check(o: dict[str, Any]) -> dict[str, Any]:
+        check_limits("plan", model, o, "--model-option")
+        return o
+
     try:
         if model == "gpt":
-            o = {k: int(v) for k, v in pick(GPT_DEFAULTS).items()}
+            o = check({k: int(v) for k, v in pick(GPT_DEFAULTS).items()})
+            if o["n_embd"] % o["n_head"]:
+                raise ConfigError(f"--model-option: gpt n_embd ({o['n_embd']}) must be "
+                                  f"divisible by n_head ({o['n_head']})")
             return gpt_graph(o["n_layer"], o["n_embd"], o["n_head"], o["vocab"], o["block_size"], batch)
         if model == "vgg":
             o = pick(VGG_DEFAULTS)
             image = _ints(str(o["image"]))
             if len(image) != 3:
                 raise ConfigError(f"vgg: image must be C,H,W, got '{o['image']}'")
-            return vgg_graph(batch, (image[0], image[1], image[2]), int(o["width"]),
-                             _ints(str(o["convs"])), int(o["fc"]), int(o["num_classes"]))
+            o = check({"image": image, "width": int(o["width"]), "convs": _ints(str(o["convs"])),
+                       "fc": int(o["fc"]), "num_classes": int(o["num_classes"])})
+            return vgg_graph(batch, (image[0], image[1], image[2]), o["width"], o["convs"],
+                             o["fc"], o["num_classes"])
         if model in ("mlp", "cnn"):
+            import math
+
             import torch
 
             from hetrain.workloads import MODELS
 
             o = pick({"input_shape": "1,40", "num_classes": 10})
             shape = _ints(str(o["input_shape"]))
+            check({"input_shape": shape, "num_classes": int(o["num_classes"])})
+            if math.prod(shape) > TRACE_MAX_INPUT or batch * math.prod(shape) > TRACE_MAX_BATCH:
+                raise ConfigError(f"--model {model} is traced on a real batch: batch {batch} x "
+                                  f"input_shape {shape} is too large (at most "
+                                  f"{TRACE_MAX_INPUT:,} values a sample and {TRACE_MAX_BATCH:,} "
+                                  f"a batch); use a smaller --batch or input_shape")
             net = MODELS[model](shape, int(o["num_classes"]))
             return graph_from_module(net, torch.zeros(batch, *shape), name=model)
     except ValueError as e:
@@ -107,10 +129,12 @@ def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Se
                  optimizer_states: float = 2.0, out: str | None = None, as_json: bool = False,
                  console: Console | None = None) -> int:
     """Search, print (tables or JSON), optionally save the plan; returns the exit code."""
-    if batch < 1:
-        raise ConfigError(f"--batch must be >= 1, got {batch}")
-    if restarts < 1:
-        raise ConfigError(f"--restarts must be >= 1, got {restarts}")
+    check_number("--batch", batch, integer(1, 10**9))
+    check_number("--restarts", restarts, integer(1, 100))
+    check_number("--optimizer-states", optimizer_states, non_negative(100),
+                 "optimizer state bytes per parameter byte: Adam 2, SGD+momentum 1, SGD 0")
+    if out:
+        check_output_file(out, "--out")
     cl = load_cluster(cluster)
     graph = model_graph(model, batch, _parse_options(model_options))
     res = search_plan(graph, cl, SearchOptions(restarts=restarts, pipeline=pipeline, subsets=subsets),

@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetrain.errors import ConfigError
+from hetrain.validate import read_text_file
+
 
 @dataclass
 class WorkerTimes:
@@ -129,12 +132,33 @@ def load_run(path: str | Path) -> RunResult:
     run_dir = p.parent if p.name == "summary.json" else p
     summary_file = run_dir / "summary.json"
     if not summary_file.is_file():
-        from hetrain.errors import ConfigError
-
         raise ConfigError(f"'{run_dir}' is not a run directory (no summary.json); "
                           "give directories under runs/ written by `hetrain run`")
-    summary = json.loads(summary_file.read_text())
+    summary = _read_json(summary_file, "run summary")
+    if not isinstance(summary, dict):
+        raise ConfigError(f"run summary '{summary_file}' holds {type(summary).__name__}, not "
+                          "a JSON object: not a summary written by `hetrain run`")
     rows_file = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()] \
-        if rows_file.is_file() else []
-    return RunResult(summary.get("name", run_dir.name), rows, summary, run_dir)
+    rows = []
+    if rows_file.is_file():
+        text = read_text_file(rows_file, "run metrics", max_bytes=None)
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                row = _parse_json(line, f"run metrics '{rows_file}' line {n}")
+                if not isinstance(row, dict):
+                    raise ConfigError(f"run metrics '{rows_file}' line {n} is not a JSON "
+                                      f"object")
+                rows.append(row)
+    return RunResult(str(summary.get("name", run_dir.name)), rows, summary, run_dir)
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON ({e}); the file is damaged: rerun or "
+                          "leave this run out") from None
+
+
+def _read_json(path: Path, what: str) -> Any:
+    return _parse_json(read_text_file(path, what, max_bytes=None), f"{what} '{path}'")

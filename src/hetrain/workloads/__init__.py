@@ -11,13 +11,13 @@ mnist1d, text (char-level LM), imagefolder and cifar10 (read from a `root` you p
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from hetrain.errors import ConfigError
+from hetrain.validate import check_options
 from hetrain.workloads import datasets, gpt, images, models, text  # noqa: F401  (registration)
 from hetrain.workloads.base import (
     Batcher,
@@ -50,18 +50,6 @@ def _check_name(what: str, name: str, registry: Mapping[str, Any]) -> None:
         raise ConfigError(f"unknown {what} '{name}'; choose one of: {', '.join(sorted(registry))}")
 
 
-def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any], skip: int) -> None:
-    """Unknown or missing keyword options -> a ConfigError naming them and the allowed ones."""
-    params = list(inspect.signature(fn).parameters.values())[skip:]
-    allowed = {p.name for p in params}
-    if unknown := sorted(set(options) - allowed):
-        raise ConfigError(
-            f"unknown option(s) {unknown} for {what}; choose from: {', '.join(sorted(allowed))}"
-        )
-    if missing := [p.name for p in params if p.default is p.empty and p.name not in options]:
-        raise ConfigError(f"{what} needs option(s) {missing}")
-
-
 def get_workload(
     model: str,
     dataset: str,
@@ -76,8 +64,8 @@ def get_workload(
     _check_name("model", model, MODELS)
     _check_name("dataset", dataset, DATASETS)
     mopts, dopts = dict(model_options or {}), dict(dataset_options or {})
-    _check_options(f"model '{model}'", MODELS[model], mopts, skip=2)
-    _check_options(f"dataset '{dataset}'", DATASETS[dataset], dopts, skip=0)
+    check_options("model", model, MODELS[model], mopts, skip=2)
+    check_options("dataset", dataset, DATASETS[dataset], dopts)
     if (model == "gpt") != (dataset == "text"):
         raise ConfigError(
             f"model 'gpt' needs dataset 'text', got '{dataset}'" if model == "gpt"

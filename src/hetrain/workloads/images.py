@@ -44,11 +44,32 @@ class ImageFiles(Dataset):
         from PIL import Image
 
         path, label = self.samples[i]
-        with Image.open(path) as im:
-            im = im.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
-            arr = np.asarray(im, dtype=np.float32) / 255.0
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
+                arr = np.asarray(im, dtype=np.float32) / 255.0
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise _unreadable(path, e) from None
         x = torch.from_numpy(arr).permute(2, 0, 1)
         return ((x - self.mean) / self.std).contiguous(), label
+
+
+def _unreadable(path: str | Path, e: Exception) -> ConfigError:
+    why = " ".join(str(e).split()) or type(e).__name__
+    return ConfigError(f"imagefolder: '{path}' is not a readable image ({why}); remove or "
+                       f"replace the file")
+
+
+def _check_header(path: str) -> None:
+    """Open the file's header (no decoding): a file that is not an image, or not one PIL
+    reads, fails at load, naming it, instead of in a worker halfway through a run."""
+    from PIL import Image
+
+    try:
+        with Image.open(path):
+            pass
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise _unreadable(path, e) from None
 
 
 def _scan(d: Path, classes: list[str] | None = None,
@@ -66,6 +87,8 @@ def _scan(d: Path, classes: list[str] | None = None,
     for c in found:
         files = sorted(p for p in (d / c).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
         samples += [(str(p), index[c]) for p in files[:max_per_class]]
+    for path, _ in samples:
+        _check_header(path)
     if not samples:
         raise ConfigError(
             f"imagefolder: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) found under '{d}'; "
@@ -86,7 +109,8 @@ def imagefolder(
     std: Sequence[float] = IMAGENET_STD,
 ) -> tuple[ImageFiles, ImageFiles, dict]:
     """ImageFolder tree; with root/train and root/val (or root/test) the splits are given (the
-    ImageNet100 layout), otherwise a seeded per-class test_fraction split of root/<class>/*."""
+    ImageNet100 layout), otherwise a seeded per-class test_fraction split of root/<class>/*.
+    Every image's header is read at load, so a corrupt file fails then, naming it."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"imagefolder: root '{root}' does not exist; expected {_LAYOUT}")

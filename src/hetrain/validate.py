@@ -1,0 +1,562 @@
+"""Input validation: one set of rules for everything a user hands hetrain before it trains.
+
+Config loading (hetrain.config), cluster files (hetrain.cluster), the workload registry and
+the CLI call these checks, so that a bad input fails at once with one ConfigError that names
+the key, what it must be and how to fix it, before any data is loaded, any process spawned or
+any file written:
+
+- numbers: `check_number` (finite, of the right kind, in a named range); the ranges of the
+  run config's numeric fields are `FIELD_LIMITS`, documented in docs/config.md;
+- option tables (`workload.model_options`, `workload.dataset_options`, strategy options,
+  `train.compression_options`): `check_options` checks the keys against the signature or the
+  dataclass that consumes them, the values against its annotations, and the ranges in
+  `OPTION_LIMITS`;
+- files and names: `read_text_file` (missing, a directory, binary, not UTF-8), `check_run_name`
+  (a run directory under the runs dir, never outside it), `check_runs_dir`;
+- `preflight`: what needs more than the config itself (the cluster file, the number of PS
+  shards it can take, the runs dir), run by the CLI before it starts a run.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import inspect
+import math
+import numbers
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from hetrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hetrain.config import RunConfig
+
+MAX_DEVICES = 100_000
+"""Largest cluster (devices, `count` included) a cluster file may declare."""
+MAX_CONFIG_BYTES = 10_000_000
+"""Largest config or cluster file read (a run config is a few hundred bytes of TOML)."""
+MAX_NAME_CHARS = 200
+"""Longest run name (the run directory's name; variants append a suffix to it)."""
+SEED_MAX = 2**32 - 1
+
+
+def _fmt(x: float) -> str:
+    """1000 -> '1000', 10**9 -> '1e9', 0.5 -> '0.5', 2**32 - 1 -> '4294967295'."""
+    exp = math.log10(abs(x)) if x else 0.0
+    if exp >= 6 and exp.is_integer() and float(x) == 10 ** int(exp) * (1 if x > 0 else -1):
+        return f"{'-' if x < 0 else ''}1e{int(exp)}"
+    if isinstance(x, int) or float(x).is_integer():
+        return str(int(x))
+    return f"{x:g}"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A named range: lo..hi (each end closed unless *_open), integers only if `integer`.
+    For a list-valued option the range applies to each entry and `length` bounds its size."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    length: tuple[int, int] | None = None
+
+    def contains(self, v: float) -> bool:
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return above and below
+
+    def describe(self) -> str:
+        """'a positive number <= 1000', 'an integer >= 1 and <= 1024', 'in [0, 1)' ..."""
+        if math.isinf(self.hi):
+            if self.lo == 0 and not self.integer:
+                return "a positive number" if self.lo_open else "a non-negative number"
+            return (f"{'an integer' if self.integer else 'a number'} "
+                    f"{'>' if self.lo_open else '>='} {_fmt(self.lo)}")
+        hi = f"{'<' if self.hi_open else '<='} {_fmt(self.hi)}"
+        if self.integer:
+            if self.lo_open:
+                return f"an integer > {_fmt(self.lo)} and {hi}"
+            return f"an integer >= {_fmt(self.lo)} and {hi}"
+        if self.lo == 0 and self.lo_open:
+            return f"a positive number {hi}"
+        if self.lo == 0 and not self.hi_open and self.hi >= 1e3:
+            return f"a non-negative number {hi}"
+        return (f"in {'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}"
+                f"{')' if self.hi_open else ']'}")
+
+
+def positive(hi: float = math.inf) -> Limit:
+    return Limit(0, hi, lo_open=True)
+
+
+def non_negative(hi: float = math.inf) -> Limit:
+    return Limit(0, hi)
+
+
+def integer(lo: int, hi: int, length: tuple[int, int] | None = None) -> Limit:
+    return Limit(lo, hi, integer=True, length=length)
+
+
+def fraction(lo_open: bool = True, hi_open: bool = True) -> Limit:
+    return Limit(0, 1, lo_open=lo_open, hi_open=hi_open)
+
+
+FIELD_LIMITS: dict[str, Limit] = {
+    "optimizer.lr": positive(1e3),
+    "optimizer.momentum": fraction(lo_open=False),
+    "optimizer.weight_decay": non_negative(1e3),
+    "train.batch_size": integer(1, 10**9),
+    "train.seed": integer(0, SEED_MAX),
+    "train.eval_every_epochs": positive(1e6),
+    "train.eval_every_s": non_negative(1e9),
+    "train.threads": integer(1, 1024),
+    "stop.max_epochs": positive(1e6),
+    "stop.max_time_s": non_negative(1e9),
+    "stop.target_accuracy": Limit(0, 1),
+    "stop.target_loss": non_negative(1e6),
+    "dist.time_scale": positive(1e3),
+    "dist.contention_k": positive(1e3),
+    "dist.worker_timeout_s": positive(1e6),
+    "dist.init_timeout_s": positive(1e6),
+    "dist.checkpoint_every": integer(0, 10**9),
+    "dist.port": integer(0, 65535),
+    "dist.ps_shards": integer(1, 1024),
+}
+"""The range of every numeric field of the run config, by `section.key` (docs/config.md
+shows them). Every value must also be finite; integers must be TOML integers (2.0 is not)."""
+
+MAX_STEPS = 10_000
+"""Largest step count (local steps, gaps, staleness): a round of more steps than this would
+run for hours on one task before the run could stop."""
+_STEPS, _STEPS1 = integer(0, MAX_STEPS), integer(1, MAX_STEPS)
+_SEED = integer(0, SEED_MAX)
+_SIZE = integer(1, 65536)
+
+OPTION_LIMITS: dict[tuple[str, str, str], Limit] = {
+    # models: sizes that build in memory on one machine
+    ("model", "mlp", "hidden"): integer(1, 16384, length=(0, 64)),
+    ("model", "cnn", "channels"): integer(1, 4096),
+    ("model", "cnn", "layers"): integer(1, 64),
+    ("model", "vgg", "width"): integer(1, 1024),
+    ("model", "vgg", "convs"): integer(0, 16, length=(1, 8)),
+    ("model", "vgg", "fc"): integer(1, 16384),
+    ("model", "resnet", "width"): integer(1, 1024),
+    ("model", "resnet", "blocks"): integer(1, 64, length=(1, 8)),
+    ("model", "gpt", "n_layer"): integer(1, 256),
+    ("model", "gpt", "n_head"): integer(1, 256),
+    ("model", "gpt", "n_embd"): integer(1, 16384),
+    ("model", "gpt", "block_size"): _SIZE,
+    ("model", "gpt", "dropout"): fraction(lo_open=False),
+    # data sets
+    ("dataset", "digits", "seed"): _SEED,
+    ("dataset", "digits", "test_fraction"): fraction(),
+    ("dataset", "mnist1d", "num_samples"): integer(10, 10**7),
+    ("dataset", "mnist1d", "seed"): _SEED,
+    ("dataset", "text", "max_chars"): integer(1, 2**31 - 1),
+    ("dataset", "text", "block_size"): _SIZE,
+    ("dataset", "text", "stride"): _SIZE,
+    ("dataset", "text", "test_fraction"): fraction(),
+    ("dataset", "imagefolder", "size"): integer(1, 4096),
+    ("dataset", "imagefolder", "test_fraction"): fraction(),
+    ("dataset", "imagefolder", "seed"): _SEED,
+    ("dataset", "imagefolder", "max_per_class"): integer(1, 10**9),
+    ("dataset", "imagefolder", "mean"): Limit(-1e3, 1e3, length=(3, 3)),
+    ("dataset", "imagefolder", "std"): Limit(0, 1e3, lo_open=True, length=(3, 3)),
+    ("dataset", "cifar10", "max_train"): integer(1, 10**9),
+    ("dataset", "cifar10", "mean"): Limit(-1e3, 1e3, length=(3, 3)),
+    ("dataset", "cifar10", "std"): Limit(0, 1e3, lo_open=True, length=(3, 3)),
+    # strategies (their own __post_init__ checks the rest of each range)
+    ("strategy", "asp", "local_steps"): _STEPS1,
+    ("strategy", "ssp", "local_steps"): _STEPS1,
+    ("strategy", "ssp", "staleness"): _STEPS,
+    ("strategy", "local_sgd", "local_steps"): _STEPS1,
+    ("strategy", "cadp", "local_steps"): _STEPS,
+    ("strategy", "cadp", "min_local_steps"): _STEPS1,
+    ("strategy", "cadp", "max_local_steps"): _STEPS1,
+    ("strategy", "cadp", "batch_size"): integer(0, 10**9),
+    ("strategy", "cadp", "activation_bytes_per_sample"): integer(0, 10**12),
+    ("strategy", "ashl", "ahl_fastest_steps"): _STEPS,
+    ("strategy", "ashl", "shl_fastest_steps"): _STEPS,
+    ("strategy", "ashl", "ahl_gap"): _STEPS,
+    ("strategy", "ashl", "shl_gap"): _STEPS,
+    ("strategy", "adsp", "commits_init"): _STEPS,
+    ("strategy", "auto", "min_batch"): integer(1, 10**9),
+    ("strategy", "auto", "max_batch"): integer(0, 10**9),
+    ("strategy", "auto", "min_device_batch"): integer(1, 10**9),
+    # compressors
+    ("compression", "qsgd", "seed"): _SEED,
+    # `hetrain plan --model M --model-option KEY=VALUE` (layer graphs for the cost model)
+    ("plan", "gpt", "n_layer"): integer(1, 128),
+    ("plan", "gpt", "n_embd"): integer(1, 65536),
+    ("plan", "gpt", "n_head"): integer(1, 1024),
+    ("plan", "gpt", "vocab"): integer(1, 10**7),
+    ("plan", "gpt", "block_size"): integer(1, 10**6),
+    ("plan", "vgg", "image"): integer(1, 4096, length=(3, 3)),
+    ("plan", "vgg", "width"): integer(1, 4096),
+    ("plan", "vgg", "convs"): integer(0, 16, length=(1, 8)),
+    ("plan", "vgg", "fc"): integer(1, 65536),
+    ("plan", "vgg", "num_classes"): integer(1, 10**6),
+    ("plan", "mlp", "input_shape"): integer(1, 10**6, length=(1, 3)),
+    ("plan", "mlp", "num_classes"): integer(1, 10**5),
+    ("plan", "cnn", "input_shape"): integer(1, 10**6, length=(1, 3)),
+    ("plan", "cnn", "num_classes"): integer(1, 10**5),
+}
+"""Ranges of the built-in option tables' values, by (kind, name, option). Options not listed
+need only be finite and of their annotated type (the consumer checks the rest)."""
+
+INT_OPTION_MAX = 2**31 - 1
+"""Bound on the magnitude of any integer option not in OPTION_LIMITS."""
+
+
+# ---- numbers --------------------------------------------------------------------------------
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Integral):
+        return "an integer"
+    if isinstance(value, numbers.Real):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return type(value).__name__
+
+
+def check_number(where: str, value: Any, limit: Limit, hint: str = "") -> int | float:
+    """`value` as a number inside `limit`, or a ConfigError naming `where` and the range."""
+    hint = f"; {hint}" if hint else ""
+    want = limit.describe()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{where} must be {want}, got {value!r} ({_kind(value)}){hint}")
+    if limit.integer and not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{where} must be {want}, got {value!r} (write a whole number "
+                          f"without a decimal point){hint}")
+    if not isinstance(value, numbers.Integral) and not math.isfinite(float(value)):
+        raise ConfigError(f"{where} must be a finite number ({want}), got {value!r}{hint}")
+    if not limit.contains(value):
+        raise ConfigError(f"{where} must be {want}, got {value!r}{hint}")
+    return value
+
+
+def check_fields(section: str, obj: Any) -> None:
+    """Check every field of a config dataclass that has a range in FIELD_LIMITS."""
+    for f in dataclasses.fields(obj):
+        limit = FIELD_LIMITS.get(f"{section}.{f.name}")
+        if limit is not None:
+            check_number(f"{section}.{f.name}", getattr(obj, f.name), limit)
+
+
+# ---- values against annotations ------------------------------------------------------------
+_SEQUENCES = (collections.abc.Sequence, collections.abc.Iterable, list, tuple)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Does a TOML value fit the annotation `tp`? Unknown annotations accept anything."""
+    if tp is Any or tp is inspect.Parameter.empty:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if tp is type(None) or tp is None:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp in (Path, PurePath, os.PathLike):
+        return isinstance(value, str | PurePath)
+    if origin is typing.Literal:
+        return value in args
+    if origin in _SEQUENCES or tp in _SEQUENCES:
+        if not isinstance(value, list | tuple):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(map(_matches, value, args))
+        return not args or all(_matches(v, args[0]) for v in value)
+    if origin in (dict, collections.abc.Mapping) or tp in (dict, collections.abc.Mapping):
+        return isinstance(value, Mapping)
+    return True
+
+
+_PLURAL = {"an integer": "integers", "a number": "numbers", "a string": "strings",
+           "a path": "paths", "true or false": "booleans"}
+
+
+def _describe_type(tp: Any) -> str:
+    """'an integer', 'a list of integers', 'a string or a list of strings or paths' ..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        arms = [_describe_type(a) for a in args if a is not type(None)]
+        return " or ".join(dict.fromkeys(arms))
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if tp in (Path, PurePath, os.PathLike):
+        return "a path"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in _SEQUENCES or tp in _SEQUENCES:
+        if not args:
+            return "a list"
+        inner = _describe_type(args[0]).split(" or ")
+        return "a list of " + " or ".join(dict.fromkeys(_PLURAL.get(t, t) for t in inner))
+    if origin in (dict, collections.abc.Mapping) or tp in (dict, collections.abc.Mapping):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _hints(obj: Any) -> dict[str, Any]:
+    """Resolved annotations of a function or class; {} where they cannot be resolved."""
+    try:
+        return typing.get_type_hints(obj)
+    except Exception:  # a user's builder with annotations we cannot evaluate: no type checks
+        return {}
+
+
+def _check_value(key: str, label: str, value: Any, tp: Any, limit: Limit | None) -> None:
+    """`key` names the value (e.g. workload.model_options.hidden), `label` what takes it."""
+    where = f"{key}{label}"
+    if not _matches(value, tp):
+        raise ConfigError(f"{where} must be {_describe_type(tp)}, got {value!r} "
+                          f"({_kind(value)})")
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    if isinstance(value, list | tuple) and limit is not None and limit.length is not None:
+        lo, hi = limit.length
+        if not lo <= len(value) <= hi:
+            n = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            raise ConfigError(f"{where} must have {n} entries, got {len(value)}")
+    for i, v in enumerate(items):
+        at = f"{key}[{i}]{label}" if isinstance(value, list | tuple) else where
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            continue
+        if limit is not None:
+            check_number(at, v, limit)
+        elif not isinstance(v, numbers.Integral) and not math.isfinite(float(v)):
+            raise ConfigError(f"{at} must be a finite number, got {v!r}")
+        elif isinstance(v, numbers.Integral) and abs(v) > INT_OPTION_MAX:
+            raise ConfigError(f"{at} must be an integer of magnitude <= {INT_OPTION_MAX}, "
+                              f"got {v}")
+
+
+def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
+                  options: Any, skip: int = 0, table: str = "") -> None:
+    """Check an option table against what consumes it: a builder's keyword parameters
+    (after the first `skip`), a constructor's, or a dataclass's init fields. Unknown keys,
+    missing required ones, values of the wrong type and values out of OPTION_LIMITS are
+    ConfigErrors naming the table (`table`, e.g. "workload.model_options"), the key and the
+    accepted keys."""
+    what = f"{kind} '{name}'"
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{table or 'the options'} must be a table of options for {what}, "
+                          f"got {options!r} ({_kind(options)})")
+    if dataclasses.is_dataclass(consumer):
+        fields = [f for f in dataclasses.fields(consumer) if f.init]
+        required = [f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        allowed = [f.name for f in fields]
+        hints = _hints(consumer)
+    else:
+        fn = consumer.__init__ if isinstance(consumer, type) else consumer
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        if isinstance(consumer, type):
+            params = params[1:]  # self
+        params = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        allowed = [p.name for p in params]
+        required = [p.name for p in params if p.default is p.empty]
+        hints = _hints(fn)
+    at = f"{table}: " if table else ""
+    if unknown := sorted(set(options) - set(allowed)):
+        raise ConfigError(f"{at}unknown option(s) {unknown} for {what}; choose from: "
+                          f"{', '.join(sorted(allowed)) or '(none: remove them)'}")
+    if missing := [k for k in required if k not in options]:
+        raise ConfigError(f"{at}{what} needs option(s) {missing}")
+    for key, value in options.items():
+        _check_value(f"{table}.{key}" if table else f"{what}: option {key}",
+                     f" ({what})" if table else "", value, hints.get(key, Any),
+                     OPTION_LIMITS.get((kind, name, key)))
+
+
+def check_limits(kind: str, name: str, values: Mapping[str, Any], table: str) -> None:
+    """Values already of the right type (e.g. parsed from the command line) against
+    OPTION_LIMITS[(kind, name, key)]; `table` names where they came from."""
+    for key, value in values.items():
+        _check_value(f"{table} {key}", "", value, Any, OPTION_LIMITS.get((kind, name, key)))
+
+
+# ---- the parts of a run config that name registered things --------------------------------
+def check_workload(model: str, dataset: str, model_options: Any, dataset_options: Any) -> None:
+    """Registered names and their option tables (before any data is loaded)."""
+    from hetrain.workloads import DATASETS, MODELS
+
+    for what, name, registry in (("model", model, MODELS), ("dataset", dataset, DATASETS)):
+        if name not in registry:
+            raise ConfigError(f"unknown {what} '{name}'; choose one of: "
+                              f"{', '.join(sorted(registry))}")
+    check_options("model", model, MODELS[model], model_options, skip=2,
+                  table="workload.model_options")
+    check_options("dataset", dataset, DATASETS[dataset], dataset_options,
+                  table="workload.dataset_options")
+
+
+def check_strategy(name: str, options: Mapping[str, Any], registered: bool = True) -> None:
+    """A registered strategy and options it accepts; building it runs its own range checks.
+    registered=False: a name that is not registered passes (the caller brings an instance)."""
+    from hetrain.strategies import REGISTRY, make_strategy
+    from hetrain.strategies.registry import get_class
+
+    if not registered and name not in REGISTRY:
+        return
+    cls = get_class(name)
+    check_options("strategy", name, cls, options, table="strategy")
+    make_strategy(name, **options)
+
+
+def check_compression(name: str, options: Any) -> None:
+    from hetrain.compress import COMPRESSORS, make_compressor
+
+    if name not in COMPRESSORS:
+        raise ConfigError(f"train.compression = {name!r} is not allowed; choose one of: "
+                          f"{', '.join(COMPRESSORS)}")
+    check_options("compression", name, COMPRESSORS[name], options,
+                  table="train.compression_options")
+    make_compressor(name, **options)
+
+
+# ---- names, files and directories ------------------------------------------------------------
+def check_run_name(name: Any) -> str:
+    """A run's name is the name of its directory under the runs dir: one path component."""
+    if not isinstance(name, str):
+        raise ConfigError(f"name must be a string, got {name!r} ({_kind(name)})")
+    fix = "use letters, digits, '-', '_' and '.', e.g. name = \"hetero8-cadp\""
+    if not name.strip():
+        raise ConfigError(f"name must not be empty; {fix}")
+    if name in (".", ".."):
+        raise ConfigError(f"name = {name!r} would write outside the runs directory; {fix}")
+    if bad := sorted({c for c in name if c in "/\\" or ord(c) < 32 or ord(c) == 127}):
+        raise ConfigError(f"name = {name!r} contains {''.join(bad)!r}: the name is one "
+                          f"directory under the runs directory, not a path; {fix}")
+    if len(name) > MAX_NAME_CHARS:
+        raise ConfigError(f"name is {len(name)} characters long; use at most {MAX_NAME_CHARS}")
+    return name
+
+
+def read_text_file(path: str | Path, what: str = "config file",
+                   max_bytes: int | None = MAX_CONFIG_BYTES) -> str:
+    """The UTF-8 text of a file (at most max_bytes), or a ConfigError that says what is wrong
+    with it: missing, a directory, too large, binary or not UTF-8."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} '{p}' is a directory; give the path of a TOML file")
+    if not p.is_file():
+        if p.exists():
+            raise ConfigError(f"{what} '{p}' is not a regular file; give the path of a TOML file")
+        raise ConfigError(f"{what} '{p}' not found")
+    try:
+        size = p.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ConfigError(f"{what} '{p}' is {size:,} bytes, more than the {max_bytes:,} "
+                              f"such a file can have; is it the right file?")
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} '{p}' cannot be read: {e.strerror or e}") from None
+    if b"\x00" in raw:
+        raise ConfigError(f"{what} '{p}' is a binary file, not text; give the right file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{p}' is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"offset {e.start}); save it as UTF-8") from None
+
+
+def check_output_dir(path: str | Path, flag: str = "--runs-dir",
+                     names: list[str] | tuple[str, ...] = ()) -> None:
+    """The directory `path` given with `flag` (and path/<name> for each name) can be created
+    and written: checked before a command does any work, not when it saves its results."""
+    root = Path(path)
+    at = f"{flag} '{root}'"
+    for p in (root, *(root / n for n in names)):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{at}: '{p}' is a file, not a directory; pass another {flag} "
+                              f"or move the file")
+    parent = root
+    while not parent.exists() and parent.parent != parent:
+        parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"{at}: '{parent}' is a file, so the directory cannot be created; "
+                          f"pass another {flag}")
+    if parent.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{at}: '{parent}' is not writable; pass another {flag}")
+
+
+def check_runs_dir(runs_dir: str | Path, names: list[str] | tuple[str, ...] = ()) -> None:
+    """The runs dir (and runs_dir/<name> for each run) can be created and written."""
+    check_output_dir(runs_dir, "--runs-dir", names)
+
+
+def check_output_file(path: str | Path, flag: str) -> None:
+    """A file a command will write (`flag` names the option): not a directory, in an
+    existing, writable directory."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} '{p}' is a directory; give a file path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} '{p}': the directory '{parent}' does not exist; create it "
+                          f"or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} '{p}' is not writable; give another path")
+
+
+def check_ps_shard_count(shards: int, strategy: str, comm: str | None, devices: int,
+                    tensors: int | None = None) -> None:
+    """dist.ps_shards > 1 needs a PS strategy (`comm`: the strategy class's, None: not known
+    yet), a whole parameter tensor per shard (`tensors`: the model's count, None: not built
+    yet) and at most one shard per device of the cluster."""
+    if shards == 1:
+        return
+    if comm is not None and comm != "ps":
+        raise ConfigError(f"dist.ps_shards = {shards}: strategy '{strategy}' all-reduces among "
+                          f"the workers and has no parameter server; set dist.ps_shards = 1 or "
+                          f"pick a PS strategy")
+    if tensors is not None and shards > tensors:
+        raise ConfigError(f"dist.ps_shards = {shards} but the model has only {tensors} "
+                          f"parameter tensors (a shard holds whole tensors); use at most "
+                          f"{tensors}")
+    if shards > devices:
+        raise ConfigError(f"dist.ps_shards = {shards} is more parameter-server shards than the "
+                          f"cluster has devices ({devices}); use at most {devices}")
+
+
+def preflight(cfg: RunConfig, runs_dir: str | Path | None = None) -> None:
+    """What the CLI checks before a run starts, beyond the config itself: the cluster (a file
+    or preset must load), dist.ps_shards against it, and the runs dir."""
+    from hetrain.cluster import load_cluster
+    from hetrain.strategies.registry import REGISTRY
+
+    cluster = load_cluster(cfg.cluster)
+    if cfg.engine == "dist":
+        cls = REGISTRY.get(cfg.strategy.name)
+        check_ps_shard_count(cfg.dist.ps_shards, cfg.strategy.name,
+                        cls.comm if cls is not None else None, cluster.n)
+    if runs_dir is not None:
+        check_runs_dir(runs_dir, [cfg.name])
