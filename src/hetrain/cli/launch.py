@@ -151,7 +151,6 @@ def main(args: argparse.Namespace) -> int:
     check_number("--node-rank", args.node_rank, integer(0, args.nnodes - 1),
                  "node 0 hosts the server; the others are 1 .. --nnodes - 1")
     check_number("--nproc", args.nproc, integer(0, MAX_DEVICES + 1024), "0: from the cluster")
-    check_number("--nproc-per-node", args.nproc_per_node, integer(0, MAX_DEVICES + 1024))
     if args.nnodes > 1:
         return launch_nodes(args)
     if args.nnodes < 1:
