@@ -354,7 +354,7 @@ OTHER_CASES = [
     Case("launch_node_rank_out_of_range", argv=("launch", "c.toml", "--nnodes", "2",
                                                 "--node-rank", "5"), says="--node-rank"),
     Case("launch_needs_endpoint", argv=("launch", "c.toml", "--nnodes", "2"),
-         says="needs --rdzv-endpoint"),
+         says="needs --master HOST:PORT"),
     Case("launch_port_out_of_range", argv=("launch", "c.toml", "--port", "70000"),
          says="dist.port"),
     Case("launch_runs_dir_is_a_file", argv=("launch", "c.toml", "--runs-dir", "f"),
@@ -436,12 +436,14 @@ def _check(case: Case, outcome: Outcome) -> None:
     assert outcome.added == [], f"wrote {outcome.added}"
 
 
+@pytest.mark.slow  # 175 subprocesses: about 9 minutes on 2 cores
 @pytest.mark.parametrize("case", RUN_CASES, ids=[c.id for c in RUN_CASES])
 def test_bad_run_input_is_one_line_exit_2_and_writes_nothing(
         case: Case, outcomes: dict[str, Future[Outcome]]) -> None:
     _check(case, outcomes[case.id].result())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", OTHER_CASES, ids=[c.id for c in OTHER_CASES])
 def test_bad_input_to_other_commands_is_one_line_exit_2(
         case: Case, outcomes: dict[str, Future[Outcome]]) -> None:
