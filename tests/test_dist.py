@@ -76,6 +76,7 @@ def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small)
     assert all(w["busy_s"] > 0 for w in s["workers"])
     assert sum(w["pushes"] for w in s["workers"]) >= s["updates"]
     assert s["unsent_samples"] == sum(w["unsent_samples"] for w in s["workers"]) >= 0
+    assert s["ps_device"] == "cpu" and s["worker_devices"] == ["cpu"] * len(s["workers"])
     if REGISTRY[name].comm == "allreduce":
         # Same Server, DataOwner and weights as the simulator: the same model comes out.
         assert s["updates"] == sim["updates"]

@@ -27,6 +27,7 @@ import tomli_w
 from hetrain.errors import ConfigError
 from hetrain.validate import (
     MAX_DEVICES,
+    check_device_kind,
     check_number,
     integer,
     non_negative,
@@ -74,10 +75,15 @@ class Device:
     """Fixed cost of one optimizer step (kernel launches, Python): makes tiny batches inefficient."""
     link: Link | None = None
     """The device's own access link, in series with every path it takes (None: not a bottleneck)."""
+    torch_device: str | None = None
+    """The real engine: where this device's worker computes, cpu | cuda | cuda:N | auto
+    (None: the run's dist.device; see hetrain.engine.devices)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError("device name must be a non-empty string")
+        if self.torch_device is not None:
+            check_device_kind(f"device '{self.name}': torch_device", self.torch_device)
         check_number(f"device '{self.name}': flops", self.flops, positive())
         check_number(f"device '{self.name}': memory_bytes", self.memory_bytes, positive())
         check_number(f"device '{self.name}': step_overhead_s", self.step_overhead_s,
@@ -249,7 +255,8 @@ class Cluster:
 
 # ---- parsing with messages that name the key --------------------------------------------------
 _LINK_KEYS = {"bandwidth_Bps", "latency_s"}
-_DEVICE_KEYS = {"name", "flops", "memory_bytes", "site", "step_overhead_s", "link", "count"}
+_DEVICE_KEYS = {"name", "flops", "memory_bytes", "site", "step_overhead_s", "link", "count",
+                "torch_device"}
 _SITE_KEYS = {"name", "lan", "wan"}
 _CLUSTER_KEYS = {"name", "devices", "sites", "ps_site", "ps_nic", "ps_message_s"}
 
@@ -270,6 +277,12 @@ def _number(where: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: '{key}' must be a number, got {value!r}")
     return float(value)
+
+
+def _device_kind(where: str, d: dict[str, Any]) -> str | None:
+    if "torch_device" not in d:
+        return None
+    return check_device_kind(f"{where}: 'torch_device'", d["torch_device"])
 
 
 def _name(where: str, key: str, value: Any) -> str:
@@ -323,6 +336,7 @@ def _cluster_from_dict(data: Mapping[str, Any], source: str) -> Cluster:
                 site=d.get("site", sites[0].name if sites else "site0"),
                 step_overhead_s=_number(where, "step_overhead_s", d.get("step_overhead_s", 0.0)),
                 link=_link(f"{where}.link", d["link"]) if "link" in d else None,
+                torch_device=_device_kind(where, d),
             ))
     ps_nic = _link(f"{source}: ps_nic", data["ps_nic"]) if "ps_nic" in data else None
     name = _name(source, "name", data["name"]) if "name" in data else Path(source).stem

@@ -101,9 +101,13 @@ class TrainConfig:
     device against a cluster) compare at the same time granularity this way."""
     threads: int = 1
     """torch intra-op threads (1 is fastest for many small replicas)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast to bfloat16) | fp16 (autocast to float16 with a dynamic loss
+    scale; meant for GPUs); parameters, optimizer state and messages stay fp32."""
 
     def __post_init__(self) -> None:
         validate.check_fields("train", self)
+        _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,15 @@ class DistConfig:
     """[dist]: how `engine = "dist"` runs (the simulator ignores it; see hetrain.engine.dist)."""
 
     backend: str = "gloo"
-    """gloo (CPU) | nccl (GPU)."""
+    """gloo | nccl: the backend of the workers' collectives (ddp, local_sgd); nccl needs every
+    worker on a GPU. Messages to and from the PS always go over gloo (host memory)."""
+    device: str = "cpu"
+    """Where workers compute: cpu | cuda (the node's next free GPU, in rank order) | cuda:N |
+    auto (a free GPU if the node has one, else the CPU); a cluster device's torch_device
+    overrides it (hetrain.engine.devices)."""
+    ps_device: str = "cpu"
+    """Where rank 0 keeps the global model, applies updates and evaluates: cpu | cuda | cuda:N
+    | auto (it takes the first GPU of its node before the workers do)."""
     emulate: str = "cluster"
     """none | cluster (pad compute and links to the Cluster's times) | relative (K x slowdown x
     the measured solo step time)."""
@@ -163,6 +175,8 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         _check_choice("dist.backend", self.backend, ("gloo", "nccl"))
+        validate.check_device_kind("dist.device", self.device)
+        validate.check_device_kind("dist.ps_device", self.ps_device)
         _check_choice("dist.emulate", self.emulate, ("none", "cluster", "relative"))
         validate.check_fields("dist", self)
 

@@ -443,6 +443,18 @@ def check_compression(name: str, options: Any) -> None:
 
 
 # ---- names, files and directories ------------------------------------------------------------
+DEVICE_KINDS = ("cpu", "cuda", "auto")
+
+
+def check_device_kind(where: str, kind: Any) -> str:
+    """A torch device kind for the real engine: cpu | cuda | cuda:N | auto."""
+    if isinstance(kind, str) and (kind in DEVICE_KINDS
+                                  or (kind.startswith("cuda:") and kind[5:].isdigit())):
+        return kind
+    raise ConfigError(f"{where} = {kind!r} is not a device kind: use 'cpu', 'cuda', "
+                      "'cuda:N' or 'auto'")
+
+
 def check_run_name(name: Any) -> str:
     """A run's name is the name of its directory under the runs dir: one path component."""
     if not isinstance(name, str):

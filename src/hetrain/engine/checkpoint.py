@@ -104,7 +104,7 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
                           "without --resume first (checkpoints are written every "
                           "dist.checkpoint_every updates and when a run stops)")
     try:
-        data = torch.load(path, weights_only=True)
+        data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many kinds for a bad zip, pickle or tensor record
         raise _unreadable(path, str(e).splitlines()[0][:120] or type(e).__name__) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -7,6 +7,7 @@ numbers for the same seed.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from hetrain.config import OptimizerConfig
+from hetrain.engine.devices import Mover
+from hetrain.engine.precision import LossScaler, autocast
 from hetrain.plan.noise import GradProbe
 from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
 from hetrain.workloads import Workload, gather
@@ -27,15 +30,25 @@ def flat_params(model: nn.Module) -> Tensor:
 
 
 def set_flat_params(model: nn.Module, flat: Tensor) -> None:
+    """Copy `flat` into the parameters (in place: they stay on their device and keep no
+    reference to `flat`, unlike torch's vector_to_parameters, which re-points them)."""
+    copy_flat_into(list(model.parameters()), flat)
+
+
+def copy_flat_into(params: list[nn.Parameter], flat: Tensor) -> None:
+    offset = 0
     with torch.no_grad():
-        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p), non_blocking=True)
+            offset += n
 
 
 def set_flat_grads(params: list[nn.Parameter], flat: Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.device, copy=True)
         offset += n
 
 
@@ -121,19 +134,31 @@ class TaskResult:
 
 
 class Replica:
-    """A worker's own model copy and inner optimizer (its state persists across rounds)."""
+    """A worker's own model copy and inner optimizer (its state persists across rounds), on
+    the worker's device; what goes in (parameters, buffers) and comes out (the update) is on
+    the host."""
 
-    def __init__(self, workload: Workload, model: nn.Module, opt_cfg: OptimizerConfig) -> None:
+    def __init__(self, workload: Workload, model: nn.Module, opt_cfg: OptimizerConfig,
+                 device: torch.device | None = None, precision: str = "fp32") -> None:
         self.workload = workload
-        self.model = model
+        self.device = device or torch.device("cpu")
+        self.mover = Mover(self.device)
+        self.model = model.to(self.device)
         self.base_lr = opt_cfg.lr
-        self.optimizer = build_optimizer(opt_cfg, model.parameters())
+        self.optimizer = build_optimizer(opt_cfg, self.model.parameters())
+        self.precision = precision
+        self.scaler = LossScaler(precision == "fp16")
 
     def load(self, params: Tensor, buffers: list[Tensor]) -> None:
-        set_flat_params(self.model, params)
+        set_flat_params(self.model, self.mover.to_device(params))
         with torch.no_grad():
             for mine, theirs in zip(float_buffers(self.model), buffers, strict=True):
                 mine.copy_(theirs)
+
+    def _loss(self, idx: Tensor) -> Tensor:
+        x, y = self.mover.batch(*gather(self.workload.train, idx))
+        with autocast(self.precision, self.device):
+            return self.workload.loss_fn(self.model(x), y)
 
     def run(self, task: WorkTask, update: Update, batches: list[Tensor]) -> TaskResult:
         """Run one task on the given index batches (one per local step)."""
@@ -141,6 +166,7 @@ class Replica:
         start = flat_params(self.model)
         losses = []
         probe = None
+        params = list(self.model.parameters())
         if update == "gradient":
             self.model.zero_grad(set_to_none=True)
             for k, idx in enumerate(batches):
@@ -148,12 +174,12 @@ class Replica:
                     loss_value, probe = self._probe_backward(idx, 1.0 / len(batches))
                     losses.append(loss_value)
                     continue
-                x, y = gather(self.workload.train, idx)
-                loss = self.workload.loss_fn(self.model(x), y)
-                (loss / len(batches)).backward()
+                loss = self._loss(idx)
+                self.scaler.scaled(loss / len(batches)).backward()
                 losses.append(loss.item())
-            out = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                             for p in self.model.parameters()])
+            finite = self.scaler.unscale(params)
+            out = torch.cat([p.grad.reshape(-1) if p.grad is not None and finite
+                             else torch.zeros(p.numel(), device=p.device) for p in params])
         else:
             if task.reset_optimizer:
                 self.optimizer.state.clear()
@@ -164,33 +190,36 @@ class Replica:
                 if k == 0 and task.probe_noise and len(idx) >= 2:
                     loss_value, probe = self._probe_backward(idx, 1.0)
                 else:
-                    x, y = gather(self.workload.train, idx)
-                    loss = self.workload.loss_fn(self.model(x), y)
-                    loss.backward()
+                    loss = self._loss(idx)
+                    self.scaler.scaled(loss).backward()
                     loss_value = loss.item()
-                self.optimizer.step()
+                if self.scaler.unscale(params):  # fp16: a step with overflowed grads is skipped
+                    self.optimizer.step()
                 losses.append(loss_value)
             out = start - flat_params(self.model)
-        return TaskResult(out, [b.detach().clone() for b in float_buffers(self.model)],
+        return TaskResult(self.mover.to_host(out),
+                          [self.mover.to_host(b.detach().clone()) for b in
+                           float_buffers(self.model)],
                           float(np.mean(losses)), sum(len(b) for b in batches), len(batches),
                           probe)
 
-    def _probe_backward(self, idx: Tensor, scale: float) -> tuple[float, GradProbe]:
+    def _probe_backward(self, idx: Tensor, scale: float) -> tuple[float, GradProbe | None]:
         """Back-propagate the batch `idx` as two halves, one at a time, leaving `scale` times
-        the whole batch's mean gradient in .grad (added to what is there), and measure the
-        squared norms of the halves' and the whole batch's gradients (hetrain.plan.noise)."""
+        the whole batch's mean gradient in .grad (added to what is there, in the loss scale's
+        units), and measure the squared norms of the halves' and the whole batch's gradients
+        (hetrain.plan.noise); no probe when fp16 gradients overflowed."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         before = [p.grad.detach().clone() if p.grad is not None else None for p in params]
         halves = (idx[:len(idx) // 2], idx[len(idx) // 2:])
         grads, loss_sum = [], 0.0
+        loss_scale = self.scaler.scale
         for half in halves:
             for p in params:
                 p.grad = None
-            x, y = gather(self.workload.train, half)
-            loss = self.workload.loss_fn(self.model(x), y)
-            loss.backward()
+            loss = self._loss(half)
+            self.scaler.scaled(loss).backward()
             loss_sum += loss.item() * len(half)
-            grads.append([p.grad.detach().clone() if p.grad is not None
+            grads.append([p.grad.detach() / loss_scale if p.grad is not None
                           else torch.zeros_like(p) for p in params])
         n0, n1, n = len(halves[0]), len(halves[1]), len(idx)
         small = 0.5 * sum(float(sum((g * g).sum() for g in gs)) for gs in grads)
@@ -198,8 +227,10 @@ class Replica:
         big = float(sum((g * g).sum() for g in whole))
         with torch.no_grad():
             for p, g, old in zip(params, whole, before, strict=True):
-                p.grad = scale * g if old is None else old + scale * g
-        return loss_sum / n, GradProbe(small, 0.5 * n, big, n)
+                g = scale * loss_scale * g if self.scaler.enabled else scale * g
+                p.grad = g if old is None else old + g
+        probe = GradProbe(small, 0.5 * n, big, n)
+        return loss_sum / n, probe if math.isfinite(small) and math.isfinite(big) else None
 
 
 class Server:
@@ -224,11 +255,11 @@ class Server:
                                              momentum=outer.momentum, nesterov=outer.nesterov)
 
     def params(self) -> Tensor:
-        """The owned parameters, flat."""
-        return torch.nn.utils.parameters_to_vector(self.owned).detach().clone()
+        """The owned parameters, flat, in host memory (for the wire)."""
+        return torch.nn.utils.parameters_to_vector(self.owned).detach().to("cpu", copy=True)
 
     def buffers(self) -> list[Tensor]:
-        return [b.detach().clone() for b in float_buffers(self.model)]
+        return [b.detach().to("cpu", copy=True) for b in float_buffers(self.model)]
 
     def apply(self, weighted: list[tuple[float, Tensor, list[Tensor]]]) -> None:
         """One server update from (weight, update, buffers) triples."""

@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
-from hetrain.engine import auth, codec, nodes
+from hetrain.engine import auth, codec, devices, nodes
 from hetrain.engine.checkpoint import check_ps_shards, checkpoint_path, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
 from hetrain.engine.dist_shard import Shard
@@ -94,6 +94,17 @@ class Rendezvous:
     """The run's secret when the launcher generated it (see hetrain.engine.auth)."""
     listener: socket.socket | None = field(default=None, repr=False, compare=False)
     """Rank 0, spawned runs: the socket the store listens on, bound before the workers start."""
+    local_rank: int | None = None
+    """This process's place among its node's processes (torchrun's LOCAL_RANK); None: every
+    rank runs on this one node, local rank = rank."""
+    local_world_size: int | None = None
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        """(local rank, local world size): which ranks share this node's GPUs."""
+        if self.local_rank is None:
+            return self.rank, self.world_size
+        return self.local_rank, self.local_world_size or self.world_size
 
 
 def bind_listener(addr: str, port: int) -> socket.socket:
@@ -192,10 +203,11 @@ def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
             raise ConfigError(f"this run has no secret for its ranks to prove: set "
                               f"{auth.ENV_SECRET} on every node ({auth.HOW_TO_SET})")
         secret, secret_file = auth.write_secret_file(run_dir)
+    check_backend(cfg)
     _gloo_on_loopback(rv.master_addr)
     store = join_rendezvous(rv, timeout)
-    try:
-        dist.init_process_group(cfg.dist.backend, store=store, rank=rv.rank,
+    try:  # gloo: the PS's messages live in host memory; NCCL only joins the workers' group
+        dist.init_process_group("gloo", store=store, rank=rv.rank,
                                 world_size=rv.world_size, timeout=timeout)
     except (RuntimeError, dist.DistError) as e:
         text = str(e)
@@ -247,11 +259,40 @@ def _n_workers(world_size: int, shards: int) -> int:
     return world_size - shards
 
 
-def _worker_group(world_size: int, shards: int) -> dist.ProcessGroup | None:
+def _worker_group(world_size: int, cfg: RunConfig) -> dist.ProcessGroup | None:
     """Every rank must create the worker group of ranks 1..n (a collective over the default
-    group); the PS shards n+1.. are not in it."""
-    return dist.new_group(ranks=list(range(1, _n_workers(world_size, shards) + 1)),
-                          backend="gloo")
+    group); the PS shards n+1.. are not in it. Its backend is dist.backend (NCCL among GPU
+    workers, created lazily: rank 0 and the shards are not members and need no GPU)."""
+    n = _n_workers(world_size, cfg.dist.ps_shards)
+    return dist.new_group(ranks=list(range(1, n + 1)), backend=cfg.dist.backend)
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """dist.backend = "nccl" needs a torch built with NCCL (a CUDA build)."""
+    if cfg.dist.backend == "nccl" and not dist.is_nccl_available():
+        raise ConfigError("dist.backend = 'nccl' but this torch has no NCCL (a CPU build); "
+                          "use dist.backend = 'gloo', or install a CUDA build of torch")
+
+
+def check_devices(cfg: RunConfig, cluster: Cluster, strategy_comm: str, layout: tuple[int, int],
+                  gpus: devices.GpuInventory | None = None) -> torch.device:
+    """Rank 0's device, and, for the ranks on rank 0's node (`layout` = rank 0's local rank
+    and local world size), every worker's device checked before any process joins: a device
+    that does not exist, too many GPU workers for the node's GPUs, NCCL with a CPU worker,
+    each in one line. Workers on other nodes check theirs at setup (Worker._device)."""
+    check_backend(cfg)
+    gpus = gpus or devices.GpuInventory.probe()
+    kinds, names = devices.rank_kinds(cfg.dist, cluster.devices)
+    local, local_world = layout
+    ps = devices.resolve(0, local, local_world, kinds, gpus, names)
+    for rank in range(1, min(local_world - local, cluster.n + 1)):
+        device = devices.resolve(rank, local + rank, local_world, kinds, gpus, names)
+        if cfg.dist.backend == "nccl" and strategy_comm == "allreduce" \
+                and device.type != "cuda":
+            raise ConfigError(f"{names[rank]} computes on {device} but dist.backend = 'nccl' "
+                              "needs every worker on a GPU; use gloo for a cluster that mixes "
+                              "GPU and CPU workers")
+    return ps
 
 
 def check_ps_shards_fit(prep: Prepared) -> None:
@@ -284,11 +325,13 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                 f"dist.ps_shards = {cfg.dist.ps_shards}: the dist engine needs one rank per "
                 f"device plus one per PS shard, i.e. {world} (torchrun --nproc-per-node "
                 f"{world})")
+        ps_device = check_devices(cfg, prep.cluster, prep.strategy.comm, rv.layout)
+        devices.use(ps_device)
         _init(rv, cfg, run_dir)
         try:
-            _worker_group(rv.world_size, cfg.dist.ps_shards)
+            _worker_group(rv.world_size, cfg)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
-            return Coordinator(prep, run_dir, progress, emulation).run()
+            return Coordinator(prep, run_dir, progress, emulation, ps_device).run()
         finally:
             dist.destroy_process_group()
     worker_signals()  # rank 0 decides when the run ends (hetrain.engine.signals)
@@ -300,13 +343,14 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                                             dataset_options=cfg.workload.dataset_options)
     _init(rv, cfg, run_dir)
     try:
-        group = _worker_group(rv.world_size, cfg.dist.ps_shards)
+        group = _worker_group(rv.world_size, cfg)
         if rv.rank > n:
             Shard(n, cfg, compressor).run()
             return None
         assert workload is not None
         fault = faults.faults.get(rv.rank) if faults is not None else None
-        Worker(rv.rank, cfg, workload, compressor, group, fault).run()
+        Worker(rv.rank, cfg, workload, compressor, group, fault,
+               rv.layout if rv.local_rank is not None else None).run()
     except RuntimeError as e:
         if "gloo/transport" not in str(e):
             raise
@@ -383,6 +427,7 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
         check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg_d.ps_shards
+        check_devices(cfg, prep.cluster, prep.strategy.comm, (0, world))
         if not early:
             start(world)
         for conn in pipes:
@@ -449,7 +494,9 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
             cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, resume=True))
         rv = Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
-                        from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                        from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                        local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
         result = run_rank(rv, cfg, run_dir=run_dir,
                           progress=progress if rv.rank == 0 else None, cluster=cluster,
                           workload=workload, strategy=strategy, faults=faults)

@@ -46,13 +46,14 @@ from hetrain.engine.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hetrain.engine.core import Buffered, DataOwner, Server, take_applied
+from hetrain.engine.core import Buffered, DataOwner, Server, copy_flat_into, take_applied
+from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
 from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox, set_message_limit
-from hetrain.errors import HetrainError
+from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push
@@ -69,7 +70,7 @@ class Coordinator:
     """Rank 0's loop. Workers are 0..n-1 (ranks 1..n)."""
 
     def __init__(self, prep: Prepared, run_dir: Path | None, progress: ProgressFn | None,
-                 emulation: dict[str, Any]) -> None:
+                 emulation: dict[str, Any], ps_device: torch.device | None = None) -> None:
         self.p, self.cfg = prep, prep.cfg
         self.strategy = prep.strategy
         codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
@@ -77,7 +78,9 @@ class Coordinator:
         self.emulation = emulation
         n = prep.cluster.n
         torch.manual_seed(self.cfg.train.seed)
-        model = prep.workload.build_model()
+        self.device = ps_device or torch.device("cpu")
+        """Where the global model lives, is updated and evaluated (dist.ps_device)."""
+        model = prep.workload.build_model().to(self.device)
         params = list(model.parameters())
         self.block_params = [params[a:b] for a, b in partition(
             [p.numel() for p in params], self.cfg.dist.ps_shards)]
@@ -121,6 +124,8 @@ class Coordinator:
         self.updates_since_ckpt = 0
         self.allreduce = self.strategy.comm == "allreduce"
         self.pending_apply: dict[int, float] = {}
+        self.worker_devices = ["?"] * n
+        """The torch device each worker reported when it was ready."""
         self.model_time_scale = (emulation.get("time_scale", 1.0)
                                  if emulation.get("mode", "none") != "none" else 1.0)
         """Wall seconds per Cluster-model second (what Push times are divided by)."""
@@ -172,8 +177,8 @@ class Coordinator:
         shard_optimizers = self._gather_shards()
         strategy, owner, applied = pickle.loads(self._snap)  # our own bytes, above
         st = ServerState(
-            model={k: v.detach().clone() for k, v in self.server.model.state_dict().items()},
-            optimizer=self.server.optimizer.state_dict(), version=self.server.version,
+            model=host_tree(self.server.model.state_dict()),
+            optimizer=host_tree(self.server.optimizer.state_dict()), version=self.server.version,
             strategy=strategy, owner=owner, applied_samples=applied,
             next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
             workers=[dataclasses.replace(w) for w in self.log.workers],
@@ -187,15 +192,15 @@ class Coordinator:
         for s, rank in enumerate(self.shard_ranks, 1):
             self.outbox.send({"kind": "setup", "update": self.strategy.update,
                               "outer": self.strategy.outer(), "version": self.server.version,
-                              "params": [p.detach().clone() for p in self.block_params[s]],
+                              "params": [host_tree(p) for p in self.block_params[s]],
                               "optimizer": (self.shard_optimizers[s - 1]
                                             if self.shard_optimizers else None)}, rank)
         shards = {"ranks": self.shard_ranks,
                   "sizes": [sum(p.numel() for p in b) for b in self.block_params]}
         state = None
         if self.allreduce:
-            state = {"model": self.server.model.state_dict(),
-                     "optimizer": self.server.optimizer.state_dict(),
+            state = {"model": host_tree(self.server.model.state_dict()),
+                     "optimizer": host_tree(self.server.optimizer.state_dict()),
                      "version": self.server.version}
         for w in sorted(self.live):
             self.outbox.send({"kind": "setup", "worker": w, "cluster": self.p.cluster,
@@ -209,11 +214,19 @@ class Coordinator:
         that is not yet receiving blocks)."""
         for w in sorted(self.live):
             self.inbox.expect(w + 1, self.cfg.dist.init_timeout_s)
+        errors = []
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
             self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
+            elif "error" in obj:  # a worker that cannot run as configured (e.g. its device)
+                errors.append(obj["error"])
+            else:
+                self.worker_devices[src - 1] = obj.get("device", "cpu")
+        if errors:
+            self._stop_workers()
+            raise ConfigError(errors[0])
 
     # ---- protocol -------------------------------------------------------------------------
     def _release(self, w: int) -> None:
@@ -333,8 +346,7 @@ class Coordinator:
             kind, _, msg, _ = self.inbox.request(rank, self.cfg.dist.worker_timeout_s)
             if kind == "lost":
                 raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {msg}")
-            with torch.no_grad():
-                torch.nn.utils.vector_to_parameters(msg["params"], self.block_params[s])
+            copy_flat_into(self.block_params[s], msg["params"])
             optimizers.append(msg["optimizer"])
         return optimizers
 
@@ -535,5 +547,6 @@ class Coordinator:
                  "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
                  "emulation": self.emulation, "lost_workers": self.lost,
                  "ps_shards": len(self.block_params),
-                 "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s}
+                 "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s,
+                 "ps_device": str(self.device), "worker_devices": self.worker_devices}
         return self.log.summarise(time_s=end_s, ideal_samples_per_s=ideal, extra=extra)

@@ -24,11 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hetrain.cluster import Cluster
 from hetrain.compress import Compressor, ErrorFeedback
 from hetrain.config import RunConfig
+from hetrain.engine import devices
 from hetrain.engine.core import Replica, Server, TaskResult, float_buffers
 from hetrain.engine.emulate import Throttle, sleep_until
 from hetrain.engine.wire import recv_obj, send_obj, set_message_limit
+from hetrain.errors import ConfigError
 from hetrain.workloads import Workload
 
 
@@ -63,9 +66,12 @@ def fail_at(rank: int, task: int, kind: str = "exit") -> FaultPlan:
 
 class Worker:
     def __init__(self, rank: int, cfg: RunConfig, workload: Workload, compressor: Compressor,
-                 group: dist.ProcessGroup | None, fault: Fault | None = None) -> None:
+                 group: dist.ProcessGroup | None, fault: Fault | None = None,
+                 layout: tuple[int, int] | None = None) -> None:
         self.rank, self.cfg, self.wl = rank, cfg, workload
         self.group = group
+        self.layout = layout
+        """(local rank, local world size) of this process on its node; None: one node."""
         self.fault = fault
         self.compressor = compressor
         self.times = {"busy_s": 0.0, "comm_s": 0.0, "idle_s": 0.0, "bytes_sent": 0,
@@ -89,6 +95,17 @@ class Worker:
         setup = self._recv()
         self.w = setup["worker"]
         cluster, em = setup["cluster"], setup["emulation"]
+        self.throttle = Throttle(None, None, 1.0)  # replaced below; _send reads its overruns
+        self.comm = setup["comm"]
+        try:
+            self.device = self._device(cluster)
+        except ConfigError as e:  # rank 0 reports it and stops the run
+            self._send({"kind": "ready", "error": str(e)})
+            while self._recv()["kind"] != "stop":
+                pass
+            self._send({"kind": "bye"})
+            return
+        devices.use(self.device)
         emulate = em["mode"] != "none"
         self.throttle = Throttle(cluster.devices[self.w] if emulate else None,
                                  cluster.ps_link(self.w) if emulate else None,
@@ -99,7 +116,8 @@ class Worker:
         self.block_sizes: list[int] = setup["shards"]["sizes"]
         self.feedbacks = [ErrorFeedback(self.compressor) for _ in self.block_sizes]
         torch.manual_seed(self.cfg.train.seed + self.rank)
-        self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer)
+        self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer, self.device,
+                               self.cfg.train.precision)
         set_message_limit(4 * sum(p.numel() for p in self.replica.model.parameters()))
         self.server: Server | None = None
         if self.comm == "allreduce":
@@ -109,7 +127,7 @@ class Worker:
             if setup["state"]["version"] > 0:
                 self.server.optimizer.load_state_dict(setup["state"]["optimizer"])
             self.server.version = setup["state"]["version"]
-        self._send({"kind": "ready"})
+        self._send({"kind": "ready", "device": str(self.device)})
         while True:
             msg = self._recv()
             kind = msg["kind"]
@@ -128,6 +146,19 @@ class Worker:
                 assert self.server is not None
                 self._send({"kind": "state", "model": self.server.model.state_dict(),
                             "optimizer": self.server.optimizer.state_dict()})
+
+    def _device(self, cluster: Cluster) -> torch.device:
+        """This worker's torch device (hetrain.engine.devices), from the configuration alone."""
+        kinds, names = devices.rank_kinds(self.cfg.dist, cluster.devices)
+        local, local_world = self.layout or (self.rank, len(kinds))
+        device = devices.resolve(self.rank, local, local_world, kinds,
+                                 devices.GpuInventory.probe(), names)
+        if self.cfg.dist.backend == "nccl" and self.comm == "allreduce" \
+                and device.type != "cuda":
+            raise ConfigError(f"{names[self.rank]} computes on {device} but dist.backend = "
+                              "'nccl' needs every worker on a GPU; use gloo for a cluster "
+                              "that mixes GPU and CPU workers")
+        return device
 
     def _inject_fault(self) -> None:
         if self.fault is None or self.tasks != self.fault.task:
@@ -208,7 +239,12 @@ class Worker:
         bufs = torch.cat([b.reshape(-1) for b in r.buffers]) if r.buffers else torch.zeros(0)
         flat = torch.cat([weight * r.update, weight * bufs, torch.tensor([weight])])
         t = time.perf_counter()
-        dist.all_reduce(flat, group=self.group)
+        if self.cfg.dist.backend == "nccl":  # the NCCL group reduces GPU tensors
+            on_gpu = flat.to(self.device)
+            dist.all_reduce(on_gpu, group=self.group)
+            flat = on_gpu.cpu()
+        else:
+            dist.all_reduce(flat, group=self.group)
         if self.emulate:
             members = list(range(self.cluster.n))
             model_s = self.cluster.ring_allreduce_time_s(r.update.numel() * 4, members)

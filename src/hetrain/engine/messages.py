@@ -40,7 +40,7 @@ SCHEMA: dict[str, tuple[dict[str, Types], dict[str, Types]]] = {
     "drop": ({"worker": int}, {}),
     "stop": ({}, {}),
     # workers -> rank 0 / shards, shards -> rank 0 / workers
-    "ready": ({}, _FROM_WORKER),
+    "ready": ({}, {"device": str, "error": str, **_FROM_WORKER}),
     "push": ({}, {"samples": int, "steps": int, "loss": Number, "compute_s": Number,
                   "comm_s": Number, "probe": tuple, "payload": Compressed, "buffers": list,
                   "shard_bytes": tuple, **_FROM_WORKER}),

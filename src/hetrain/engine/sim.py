@@ -70,7 +70,7 @@ class Simulator:
         init = self.server.params()
         self.replicas = []
         for _ in range(cluster.n):
-            rep = Replica(wl, wl.build_model(), cfg.optimizer)
+            rep = Replica(wl, wl.build_model(), cfg.optimizer, precision=cfg.train.precision)
             rep.load(init, self.server.buffers())
             self.replicas.append(rep)
         self.feedback = [ErrorFeedback(prep.compressor) for _ in range(cluster.n)]
