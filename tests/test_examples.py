@@ -108,8 +108,9 @@ def test_04_plan_and_launch_commands_of_the_readme():
 def test_04_profile_plan_launch_flow(tmp_path):
     """The README's flow for real: profile (7 processes) -> plan -> launch on this machine."""
     measured = tmp_path / "measured.toml"
+    # --force: 3 steps of a toy on 7 processes and 2 cores are noise, refused without it
     run(["-m", "hetrain", "profile", str(TWO_SITE / "run.toml"), *SMOKE_SET, "--steps", "3",
-         "--out", str(measured), "--runs-dir", str(tmp_path), "--quiet"])
+         "--out", str(measured), "--runs-dir", str(tmp_path), "--quiet", "--force"])
     from hetrain.cluster import load_cluster
 
     assert [d.name for d in load_cluster(str(measured)).devices][-1] == "t4-3"

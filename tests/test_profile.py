@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
-from hetrain.cluster import preset
+import pytest
+import torch
+
+from hetrain.cluster import Link, preset
 from hetrain.config import config_from_dict
 from hetrain.engine.setup import prepare
 from hetrain.errors import ConfigError
@@ -17,6 +20,18 @@ from hetrain.profile import (
     plan_for_fastest,
     plan_local_steps,
     worker_profiles,
+)
+from hetrain.profile import measure as measure_mod
+from hetrain.profile.measure import (
+    FIX,
+    MAX_PLAUSIBLE_FLOPS,
+    Measurement,
+    StepFit,
+    fit_step_time,
+    judge_fits,
+    profile_batch_sizes,
+    sources,
+    speed_source,
 )
 from hetrain.strategies import RunContext
 
@@ -116,3 +131,119 @@ def test_the_simulator_charges_what_the_profile_predicts():
     for priced, measured in zip(strategy.profile.step_times_s(), strategy.costs.step_s,
                                 strict=True):
         assert measured == pytest.approx(priced, rel=1e-9)
+
+
+# ---- `hetrain profile`: the fit and its refusal (no processes) ----------------------------
+SIZES = (16, 32, 64)
+
+
+def _line(a: float, c: float, repeats: int = 3) -> list[list[float]]:
+    return [[a + c * b] * repeats for b in SIZES]
+
+
+def test_fit_recovers_a_line_exactly():
+    fit = fit_step_time(SIZES, _line(2e-3, 5e-5))
+    assert fit.overhead_s == pytest.approx(2e-3, rel=1e-9)
+    assert fit.per_sample_s == pytest.approx(5e-5, rel=1e-9)
+    assert fit.spread == 0.0
+    assert judge_fits(["d0"], [fit], 1e6, force=False) is None
+    # symmetric noise on every repeat leaves the least-squares line where it was
+    noisy = [[t * 0.9, t, t * 1.1] for t in (2e-3 + 5e-5 * b for b in SIZES)]
+    assert fit_step_time(SIZES, noisy).per_sample_s == pytest.approx(5e-5, rel=1e-9)
+
+
+def test_fit_needs_two_distinct_sizes_and_every_size_timed():
+    with pytest.raises(ValueError, match="2 distinct"):
+        fit_step_time([32, 32], [[1.0], [1.0]])
+    with pytest.raises(ValueError, match="non-empty"):
+        fit_step_time([16, 32], [[1.0], []])
+    assert profile_batch_sizes(32) == (16, 32, 64)
+    assert profile_batch_sizes(1) == (1, 2)
+
+
+@pytest.mark.parametrize(("times", "says"), [
+    (_line(5e-3, 0.0), "not positive"),                    # flat
+    (_line(5e-3, -1e-5), "not positive"),                  # decreasing
+    ([[t * 0.3, t, t * 2.0, t * 0.5] for t in (1e-2, 2e-2, 4e-2)], "spread"),  # noisy
+    (_line(5e-3, 1e-12), "above the 1e+16"),  # 1e18 FLOP/s
+])
+def test_implausible_fits_are_refused_in_one_line_naming_device_and_fix(times, says):
+    fits = [fit_step_time(SIZES, _line(2e-3, 5e-5)), fit_step_time(SIZES, times)]
+    with pytest.raises(ConfigError) as e:
+        judge_fits(["gpu-0", "gpu-1"], fits, 1e6, force=False)
+    msg = str(e.value)
+    assert "\n" not in msg and says in msg and FIX in msg
+    assert "gpu-1" in msg and "gpu-0" not in msg
+
+
+def test_force_returns_a_warning_instead():
+    fits = [fit_step_time(SIZES, _line(5e-3, 1e-12))]
+    assert fits[0].flops(1e6) > MAX_PLAUSIBLE_FLOPS
+    warning = judge_fits(["gpu-0"], fits, 1e6, force=True)
+    assert warning is not None and "--force" in warning and "gpu-0" in warning
+
+
+def test_sources_say_measured_or_emulated():
+    assert sources("none", 1.0, "pair").startswith("measured")
+    for mode in ("cluster", "relative"):
+        line = sources(mode, 0.5, "pair")
+        assert line.startswith("emulated") and "'pair'" in line and "time_scale 0.5" in line
+    assert speed_source("none", 0, 24) == "measured"
+    assert speed_source("cluster", 0, 24) == "emulated"
+    assert "3 of 24" in speed_source("cluster", 3, 24)
+    assert speed_source("cluster", 24, 24).startswith("measured, not emulated")
+
+
+def test_step_times_are_timed_per_size_and_repeat():
+    from hetrain.engine.emulate import Throttle
+    from hetrain.workloads import get_workload
+
+    wl = get_workload("mlp", "digits")
+    times = measure_mod._step_times_s(wl, Throttle(None, None, 1.0), (2, 4), 3,
+                                      torch.device("cpu"))
+    assert [len(ts) for ts in times] == [3, 3] and all(t > 0 for ts in times for t in ts)
+
+
+def _cli_with_fake_measure(tmp_path, monkeypatch, force: bool, capsys):
+    """`hetrain profile` with `measure` replaced by the fit decision alone (no processes)."""
+    from hetrain.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('name = "p"\ncluster = "hetero-4"\n'
+                   '[workload]\nmodel = "mlp"\ndataset = "digits"\n')
+
+    def fake(cfg, *, steps, force):  # the CLI's call
+        cluster = preset("hetero-4")
+        fits = [fit_step_time(SIZES, _line(5e-3, 0.0))] * cluster.n  # flat
+        warning = judge_fits([d.name for d in cluster.devices], fits, 1e6, force=force)
+        prof = Profile.from_context(_ctx("hetero-4"))
+        cluster = replace(cluster, devices=tuple(replace(d, link=Link(1e9, 1e-3))
+                                                 for d in cluster.devices))
+        return Measurement(prof, cluster, tuple(fits), sources("cluster", 1.0, "hetero-4"),
+                           (0,) * cluster.n, 24, warning)
+
+    monkeypatch.setattr(measure_mod, "measure", fake)
+    out = tmp_path / "m.toml"
+    rc = main(["profile", str(cfg), "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+               *(["--force"] if force else [])])
+    return rc, out, capsys.readouterr()
+
+
+def test_cli_refuses_without_force_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    rc, out, cap = _cli_with_fake_measure(tmp_path, monkeypatch, False, capsys)
+    assert rc == 2 and not out.exists()
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith("hetrain: error: profile refused") and FIX in line
+
+
+def test_cli_force_writes_with_a_warning_and_says_emulated(tmp_path, monkeypatch, capsys):
+    rc, out, cap = _cli_with_fake_measure(tmp_path, monkeypatch, True, capsys)
+    assert rc == 0 and out.is_file()
+    (line,) = cap.err.strip().splitlines()
+    assert line.startswith("hetrain: warning: writing an implausible profile (--force)")
+    assert cap.out.startswith("emulated") and "FLOP/s (emulated)" in cap.out
+
+
+def test_step_fit_flops():
+    assert StepFit(0.0, 1e-6, 0.0).flops(1e6) == pytest.approx(1e12)
+    assert StepFit(0.0, 0.0, 0.0).flops(1e6) == float("inf")

@@ -50,7 +50,7 @@ SCHEMA: dict[str, tuple[dict[str, Types], dict[str, Types]]] = {
     "bye": ({}, _FROM_WORKER),
     # profiling (hetrain.profile.measure)
     "steps": ({"batch_sizes": list, "steps": int}, {}),
-    "step_times": ({"times": list}, {}),
+    "step_times": ({"times": list}, {"overruns": int}),
     "ping": ({"data": torch.Tensor}, {}),
     "model": ({"data": torch.Tensor, "answer": torch.Tensor}, {}),
     "echo": ({"data": torch.Tensor}, {}),

@@ -4,8 +4,11 @@ The same processes as a dist run (rank 0 + one worker per device, gloo, the same
 but instead of training they answer three probes:
 
 - steps: every worker, all at once (as in training, so contention is included), times
-  `steps` SGD steps at batch sizes b and 2b; the median per batch size gives
-  t(b) = a + c b  ->  step_overhead_s = a,  flops = flops_per_sample / c.
+  `steps` SGD steps at each of the batch sizes b/2, b, 2b (interleaved); a least-squares line
+  through every repeat gives t(b) = a + c b  ->  step_overhead_s = a,
+  flops = flops_per_sample / c (`fit_step_time`). A fit that cannot be a speed (c <= 0, more
+  than MAX_PLAUSIBLE_FLOPS, repeats spread more than MAX_SPREAD) is refused (ConfigError)
+  unless forced, and then written with a warning (`judge_fits`): never silently.
 - ping: rank 0 sends a tiny message to one worker at a time and times the echo
   (round trip = 2 latency).
 - pull/push: a model-sized message to the worker, and a model-sized answer back; each leg
@@ -13,7 +16,8 @@ but instead of training they answer three probes:
 
 The result is the `Profile` the planners take (source "measured") and a Cluster with the
 measured devices, each with its measured access link, in one site whose own LAN is made
-negligible (so `ps_link(i)` is the measured link).
+negligible (so `ps_link(i)` is the measured link). With dist.emulate on, what is timed is the
+emulated cluster as the throttle pads it (`sources`), not this machine's hardware.
 
 `measure_overheads` / `with_overheads` calibrate the simulator for an emulated run: the real
 per-message and per-synchronous-step costs of this machine, added to the emulated cluster (the
@@ -22,9 +26,11 @@ PS's per-message time, the LAN latency), give the cluster that a run emulating i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -33,34 +39,154 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from hetrain.cluster import Cluster, Link, Site, load_cluster
+from hetrain.cluster import Cluster, Link, Site
 from hetrain.config import RunConfig
 from hetrain.engine import auth
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
 from hetrain.engine.wire import free_port, recv_obj, send_obj
+from hetrain.errors import ConfigError
 from hetrain.profile.profile import Profile, worker_profiles
-from hetrain.workloads import Workload, flops_per_sample, gather, get_workload
+from hetrain.workloads import Workload, flops_per_sample, gather
 
 FAST = Link(1e15, 0.0)
 
 
-def _median_step_s(wl: Workload, throttle: Throttle, batch: int, steps: int) -> float:
-    model = wl.build_model()
+MAX_PLAUSIBLE_FLOPS = 1e16
+"""10 PFLOP/s per device, above any accelerator's training throughput: a fit implying more
+is timing noise (t(2b) barely above t(b)), not a speed."""
+MAX_SPREAD = 0.5
+"""Largest relative spread (interquartile range / median) of the repeats at one batch size
+that a fit is trusted with."""
+BATCH_FACTORS = (0.5, 1.0, 2.0)
+"""Batch sizes timed, as multiples of train.batch_size (no larger: 4b may not fit in memory)."""
+FIX = "more --steps, a quieter machine, or --force"
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """t(b) = overhead_s + per_sample_s * b, least squares over every repeat."""
+
+    overhead_s: float
+    per_sample_s: float
+    spread: float
+    """Largest interquartile range / median of the repeats at one batch size (0: one repeat)."""
+
+    def flops(self, flops_per_sample: float) -> float:
+        """The implied FLOP/s (inf if the per-sample cost is not positive)."""
+        return flops_per_sample / self.per_sample_s if self.per_sample_s > 0 else float("inf")
+
+
+def profile_batch_sizes(batch_size: int) -> tuple[int, ...]:
+    """The distinct batch sizes timed for `batch_size` (at least 2: b and 2b always differ)."""
+    return tuple(sorted({max(1, round(f * batch_size)) for f in BATCH_FACTORS}))
+
+
+def fit_step_time(batch_sizes: Sequence[int], times: Sequence[Sequence[float]]) -> StepFit:
+    """Fit t(b) = a + c b to every repeat (`times[i]` are those at `batch_sizes[i]`).
+
+    All repeats, not their medians, so the spread between repeats weighs on the line as it
+    should; the spread itself is reported for `fit_problem` to judge.
+    """
+    if len(batch_sizes) != len(times) or any(not ts for ts in times):
+        raise ValueError("one non-empty list of times per batch size")
+    if len(set(batch_sizes)) < 2:
+        raise ValueError(f"need at least 2 distinct batch sizes, got {list(batch_sizes)}")
+    pts = [(float(b), float(t)) for b, ts in zip(batch_sizes, times, strict=True) for t in ts]
+    bm = statistics.fmean(b for b, _ in pts)
+    tm = statistics.fmean(t for _, t in pts)
+    c = sum((b - bm) * (t - tm) for b, t in pts) / sum((b - bm) ** 2 for b, _ in pts)
+    spread = 0.0
+    for ts in times:
+        if len(ts) > 1:
+            q1, med, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+            spread = max(spread, (q3 - q1) / med if med > 0 else float("inf"))
+    return StepFit(tm - c * bm, c, spread)
+
+
+def fit_problem(fit: StepFit, flops_per_sample: float) -> str | None:
+    """Why `fit` cannot be a device's speed (None: it can)."""
+    if fit.per_sample_s <= 0:
+        return (f"per-sample cost {fit.per_sample_s:.3g} s is not positive (the step time "
+                "does not grow with the batch)")
+    if fit.flops(flops_per_sample) > MAX_PLAUSIBLE_FLOPS:
+        return (f"implied {fit.flops(flops_per_sample):.3g} FLOP/s is above the "
+                f"{MAX_PLAUSIBLE_FLOPS:.3g} of MAX_PLAUSIBLE_FLOPS")
+    if fit.spread > MAX_SPREAD:
+        return f"repeats spread {fit.spread:.0%} of their median (> {MAX_SPREAD:.0%})"
+    return None
+
+
+def judge_fits(names: Sequence[str], fits: Sequence[StepFit], flops_per_sample: float, *,
+               force: bool) -> str | None:
+    """Refuse implausible fits in one line (ConfigError) or, forced, return the warning line
+    to print (None: every fit is plausible)."""
+    problems = [f"{name}: {why}" for name, fit in zip(names, fits, strict=True)
+                if (why := fit_problem(fit, flops_per_sample)) is not None]
+    if not problems:
+        return None
+    if not force:
+        raise ConfigError(f"profile refused, implausible timing on {'; '.join(problems)}; "
+                          f"fix: {FIX}")
+    return (f"writing an implausible profile (--force) for {'; '.join(problems)}; a "
+            "per-sample cost that is not positive is replaced by the whole step time at "
+            "batch b")
+
+
+def sources(mode: str, time_scale: float, cluster_name: str) -> str:
+    """One line saying where the figures come from: this machine or the emulated cluster."""
+    if mode == "none":
+        return "measured: device speeds and links are this machine's (dist.emulate = none)"
+    what = ("the cluster's devices" if mode == "cluster" else
+            "this machine's solo step time x dist.contention_k x the cluster's slowdowns")
+    return (f"emulated (dist.emulate = {mode}, time_scale {time_scale:g}): device speeds are "
+            f"{what} and links those of cluster '{cluster_name}', as the throttle pads them "
+            "on real processes; not this machine's hardware")
+
+
+def speed_source(mode: str, overruns: int, timed: int) -> str:
+    """Where one device's speed comes from: a step that overran its emulated budget took this
+    machine's time, not the emulated device's."""
+    if mode == "none":
+        return "measured"
+    if overruns >= timed:
+        return "measured, not emulated: every step overran the emulated budget"
+    if overruns:
+        return f"emulated, {overruns} of {timed} steps overran: partly this machine's"
+    return "emulated"
+
+
+def _step_times_s(wl: Workload, throttle: Throttle, batch_sizes: Sequence[int], steps: int,
+                  device: torch.device) -> list[list[float]]:
+    """`steps` timed SGD steps per batch size after 2 warm-up steps each.
+
+    Sizes interleave (b1, b2, b3, b1, ...) so a machine that gets busier mid-probe slows every
+    size alike instead of tilting the line. On CUDA each step ends in a synchronise, so the
+    time is the kernels' and not only their launch.
+    """
+    model = wl.build_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    idx = torch.arange(batch) % len(wl.train)  # type: ignore[arg-type]
-    times = []
-    for k in range(steps + 2):
-        def step() -> None:
-            x, y = gather(wl.train, idx)
-            opt.zero_grad(set_to_none=True)
-            wl.loss_fn(model(x), y).backward()
-            opt.step()
-        _, t = throttle.run(step, batch, 1)
-        if k >= 2:
-            times.append(t)
-    return statistics.median(times)
+    n = len(wl.train)  # type: ignore[arg-type]
+
+    def step(batch: int) -> None:
+        x, y = gather(wl.train, torch.arange(batch) % n)
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad(set_to_none=True)
+        wl.loss_fn(model(x), y).backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for b in batch_sizes:
+        for _ in range(2):
+            throttle.run(functools.partial(step, b), b, 1)
+    throttle.overruns = 0
+    times: list[list[float]] = [[] for _ in batch_sizes]
+    for _ in range(steps):
+        for ts, b in zip(times, batch_sizes, strict=True):
+            ts.append(throttle.run(functools.partial(step, b), b, 1)[1])
+    return times
 
 
 def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> None:
@@ -78,8 +204,9 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
             if msg["kind"] == "stop":
                 return
             if msg["kind"] == "steps":
-                send_obj({"kind": "step_times", "times": [_median_step_s(wl, th, b, msg["steps"])
-                                                         for b in msg["batch_sizes"]]}, 0)
+                times = _step_times_s(wl, th, msg["batch_sizes"], msg["steps"],
+                                      torch.device("cpu"))
+                send_obj({"kind": "step_times", "times": times, "overruns": th.overruns}, 0)
             else:  # echo: hold the pull on my emulated link, hold my answer likewise
                 th.hold(nbytes)
                 reply = {"kind": "echo",
@@ -98,15 +225,34 @@ def _timed(msg: dict[str, Any], w: int) -> float:
     return time.perf_counter() - t
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """What `measure` found, with what the CLI must say about it."""
+
+    profile: Profile
+    cluster: Cluster
+    fits: tuple[StepFit, ...]
+    sources: str
+    """Where the figures come from (`sources`)."""
+    overruns: tuple[int, ...]
+    """Per device, timed steps that overran the emulated budget (then partly this machine's)."""
+    timed_steps: int
+    """Timed steps per device (all batch sizes)."""
+    warning: str | None
+    """The --force warning line (None: every fit was plausible)."""
+
+
 def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workload | None = None,
-            steps: int = 8, probes: int = 5) -> tuple[Profile, Cluster]:
-    """Profile the cluster `cfg` describes on real processes (emulated as cfg.dist says)."""
-    base = cluster or load_cluster(cfg.cluster)
-    wl = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
-                                  model_options=cfg.workload.model_options,
-                                  dataset_options=cfg.workload.dataset_options)
+            steps: int = 8, probes: int = 5, force: bool = False) -> Measurement:
+    """Profile the cluster `cfg` describes on real processes (emulated as cfg.dist says).
+
+    Raises ConfigError, naming the devices, if a fit is implausible and not `force`.
+    """
+    # the cluster a run of cfg emulates (for emulate = "relative": calibrated on this machine)
+    base, wl = dist_engine._effective_inputs(cfg, cluster, workload)
     fps = flops_per_sample(wl)
     n, b = base.n, cfg.train.batch_size
+    sizes = profile_batch_sizes(b)
     listener = dist_engine.bind_listener(cfg.dist.master_addr, cfg.dist.port)
     port, secret = listener.getsockname()[1], auth.new_secret()
     ctx = mp.get_context("spawn")
@@ -127,8 +273,8 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
             send_obj({"kind": "setup", "worker": w, "cluster": base, "flops_per_sample": fps,
                       "emulation": em}, w + 1)
         for w in range(n):
-            send_obj({"kind": "steps", "batch_sizes": [b, 2 * b], "steps": steps}, w + 1)
-        step_times = [recv_obj(w + 1)[0]["times"] for w in range(n)]
+            send_obj({"kind": "steps", "batch_sizes": list(sizes), "steps": steps}, w + 1)
+        replies = [recv_obj(w + 1)[0] for w in range(n)]
         # A probe of at least 4 MB, so bytes / bandwidth stands out of the latency noise.
         model = flat_params(wl.build_model())
         model = torch.zeros(max(model.numel(), 1 << 20))
@@ -145,26 +291,32 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
             p.join(30)
             if p.is_alive():
                 p.terminate()
+    fits = tuple(fit_step_time(sizes, r["times"]) for r in replies)
+    warning = judge_fits([d.name for d in base.devices], fits, fps, force=force)
+    at_b = [statistics.median(r["times"][sizes.index(b)]) for r in replies]
     nbytes = model.numel() * 4
     model_bytes = flat_params(wl.build_model()).numel() * 4
     devices, links = [], []
     for w, d in enumerate(base.devices):
-        t1, t2 = step_times[w]
-        c = max((t2 - t1) / b, 1e-12)
-        a = max(t1 - c * b, 0.0)
+        fit = fits[w]
+        # forced past a non-positive slope: charge the whole step at b per sample (slowest)
+        c, a = (fit.per_sample_s, fit.overhead_s) if fit.per_sample_s > 0 else (at_b[w] / b, 0.0)
         lat = ping[w] / 2
         leg = max(big[w] / 2 - lat, 1e-9)
         link = Link(nbytes / leg, lat)
         links.append(link)
-        devices.append(replace(d, flops=fps / c, step_overhead_s=a, site="measured", link=link))
+        devices.append(replace(d, flops=fps / c, step_overhead_s=max(a, 0.0), site="measured",
+                               link=link))
     measured = Cluster(f"{base.name}-measured", tuple(devices),
                        (Site("measured", FAST, FAST),), ps_site="measured")
-    profile = Profile(worker_profiles([d.name for d in base.devices], b,
-                                      [t[0] for t in step_times],
+    profile = Profile(worker_profiles([d.name for d in base.devices], b, at_b,
                                       [lk.transfer_time_s(model_bytes) for lk in links],
                                       [lk.transfer_time_s(model_bytes) for lk in links]),
                       model_bytes, model_bytes, "measured")
-    return profile, measured
+    return Measurement(profile, measured, fits,
+                       sources(cfg.dist.emulate, cfg.dist.time_scale, base.name),
+                       tuple(int(r["overruns"]) for r in replies), steps * len(sizes),
+                       warning)
 
 
 # ---- per-message and per-collective overhead (simulator calibration) ------------------------
