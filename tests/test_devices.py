@@ -32,6 +32,9 @@ def test_gpus_go_to_cuda_and_auto_ranks_in_rank_order() -> None:
     kinds = ["cpu", "auto", "cuda", "auto", "cpu", "auto"]
     got = [str(resolve(r, r, len(kinds), kinds, gpus(2))) for r in range(len(kinds))]
     assert got == ["cpu", "cuda:0", "cuda:1", "cpu", "cpu", "cpu"]
+    # the PS on a GPU shares the first one: one GPU serves rank 0 and one worker
+    kinds = ["cuda", "cuda", "cpu"]
+    assert [str(resolve(r, r, 3, kinds, gpus(1))) for r in range(3)] == ["cuda:0", "cuda:0", "cpu"]
     # no CUDA at all: auto falls back to the CPU, cuda is an error naming the rank
     assert [str(resolve(r, r, 2, ["cpu", "auto"], NO_GPU)) for r in range(2)] == ["cpu", "cpu"]
     with pytest.raises(ConfigError, match=r"worker 'a'.*'cuda'.*install a CUDA build"):

@@ -148,7 +148,8 @@ class DistConfig:
     overrides it (hetrain.engine.devices)."""
     ps_device: str = "cpu"
     """Where rank 0 keeps the global model, applies updates and evaluates: cpu | cuda | cuda:N
-    | auto (it takes the first GPU of its node before the workers do)."""
+    | auto (the first GPU of its node, shared with the first GPU worker: the PS's work is
+    light)."""
     emulate: str = "cluster"
     """none | cluster (pad compute and links to the Cluster's times) | relative (K x slowdown x
     the measured solo step time)."""

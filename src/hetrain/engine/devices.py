@@ -3,10 +3,11 @@
 A device kind is named per cluster device (`[[devices]] torch_device`) or for the whole run
 (`[dist] device`, and `[dist] ps_device` for rank 0): "cpu", "cuda" (the next free GPU of the
 node), "cuda:N" (that GPU) or "auto" (the next free GPU of the node if there is one, else the
-CPU). GPUs are handed out in rank order among the ranks that share a node (torchrun's
-LOCAL_RANK and LOCAL_WORLD_SIZE say which those are), so one node with 1 GPU running the PS
-and three workers with kinds cpu, auto, auto puts the first auto worker on cuda:0 and the
-second on the CPU. The choice is made by each rank from the run's configuration alone, so
+CPU). GPUs are handed out to the workers in rank order among the ranks that share a node
+(torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE say which those are), so one node with 1 GPU
+running the PS and three workers with kinds cpu, auto, auto puts the first auto worker on
+cuda:0 and the second on the CPU. Rank 0 (the PS) on a GPU shares its node's first GPU with
+the first GPU worker rather than taking one from the workers. The choice is made by each rank from the run's configuration alone, so
 every rank computes the same layout without talking to the others.
 
 The wire (hetrain.engine.codec over gloo) carries CPU tensors: pulls are staged through a
@@ -78,6 +79,8 @@ def resolve(rank: int, local_rank: int, local_world_size: int, kinds_by_rank: Se
     for r, k in node_kinds(rank, local_rank, local_world_size, kinds_by_rank):
         if r == rank:
             break
+        if r == 0:  # the PS shares its node's first GPU: its work is light beside a worker's
+            continue
         if k in ("cuda", "auto") and (k == "cuda" or slot < gpus.count):
             slot += 1
     if slot < gpus.count:

@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, Link, Site
 from hetrain.config import RunConfig
-from hetrain.engine import auth
+from hetrain.engine import auth, devices
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
@@ -199,13 +199,16 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
         on = em["mode"] != "none"
         th = Throttle(cluster.devices[w] if on else None, cluster.ps_link(w) if on else None,
                       setup["flops_per_sample"], em["time_scale"])
+        kinds, names = devices.rank_kinds(cfg.dist, cluster.devices)
+        device = devices.resolve(rv.rank, rv.rank, rv.world_size, kinds,
+                                 devices.GpuInventory.probe(), names)  # checked by rank 0
+        devices.use(device)
         while True:
             msg, nbytes = recv_obj(0)
             if msg["kind"] == "stop":
                 return
             if msg["kind"] == "steps":
-                times = _step_times_s(wl, th, msg["batch_sizes"], msg["steps"],
-                                      torch.device("cpu"))
+                times = _step_times_s(wl, th, msg["batch_sizes"], msg["steps"], device)
                 send_obj({"kind": "step_times", "times": times, "overruns": th.overruns}, 0)
             else:  # echo: hold the pull on my emulated link, hold my answer likewise
                 th.hold(nbytes)
@@ -253,6 +256,7 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     fps = flops_per_sample(wl)
     n, b = base.n, cfg.train.batch_size
     sizes = profile_batch_sizes(b)
+    dist_engine.check_devices(cfg, base, "ps", (0, n + 1))  # each worker times on its device
     listener = dist_engine.bind_listener(cfg.dist.master_addr, cfg.dist.port)
     port, secret = listener.getsockname()[1], auth.new_secret()
     ctx = mp.get_context("spawn")
