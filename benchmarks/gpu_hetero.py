@@ -6,8 +6,10 @@ CPU workers, each its own process (hetrain's dist engine, gloo to the PS on the 
 own device) gives the planners the real speeds; then, on that measured cluster, to a test
 accuracy on MNIST-1D (CNN), evaluated every `--eval-s` wall seconds in every arm:
 
-  - gpu-alone: ddp on a one-device cluster (the GPU), NCCL for its collective group, over a
-    small grid of batch x lr (the lone device tuned as we tune ours);
+  - plain loop: the user's own single-process PyTorch loop on the GPU (data in GPU memory),
+    over a small grid of batch x lr (the lone device tuned as we tune ours);
+  - gpu-alone: ddp on a one-device cluster (the GPU) through hetrain's engine, NCCL for its
+    collective group, over the same grid (it pays hetrain's per-step coordination);
   - cadp and auto on the three devices (their own plans from the measured speeds).
 
     python3 benchmarks/gpu_hetero.py --out DIR [--gpu-kind cuda] [--target 0.96] [--seeds 0,1]
@@ -34,7 +36,7 @@ from hetrain.cluster import Cluster
 from hetrain.config import RunConfig, config_from_dict
 from hetrain.profile.measure import measure
 from hetrain.runner import run_config
-from hetrain.workloads import get_workload
+from hetrain.workloads import Workload, evaluate, gather, get_workload
 
 LONE_GRID = ((32, 0.05), (128, 0.1), (256, 0.2))
 """(batch, lr) for the GPU alone: the base setting and linear-scaled larger batches."""
@@ -59,6 +61,49 @@ def make_cfg(name: str, strategy: str, cluster: Any, args: argparse.Namespace,
         "dist": {"emulate": "none", "backend": backend, "worker_timeout_s": 120.0}})
 
 
+def plain_loop(wl: Workload, device: torch.device, batch: int, lr: float, seed: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """The user's own alternative: one process, a plain PyTorch loop on the GPU with the whole
+    training set in GPU memory (no data loader, no coordination), SGD lr x momentum 0.9 as
+    the other arms, evaluated every eval_s seconds of training (the clock stops while it
+    evaluates, as hetrain's does)."""
+    torch.manual_seed(seed)
+    model = wl.build_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    x, y = gather(wl.train, torch.arange(len(wl.train)))  # type: ignore[arg-type]
+    x, y = x.to(device), y.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    trained_s, next_eval, tta, acc, samples = 0.0, 0.0, None, 0.0, 0
+    while trained_s < args.max_time_s and tta is None:
+        if trained_s >= next_eval:
+            _, acc = evaluate(model, wl.test, wl.loss_fn)
+            next_eval += args.eval_s
+            if acc >= args.target:
+                tta = trained_s
+                break
+        start = time.perf_counter()
+        for idx in torch.randperm(len(x), device=device, generator=gen).split(batch):
+            opt.zero_grad(set_to_none=True)
+            wl.loss_fn(model(x[idx]), y[idx]).backward()
+            opt.step()
+            samples += len(idx)
+            if device.type == "cuda" and samples % (8 * batch) == 0:
+                torch.cuda.synchronize(device)
+            if time.perf_counter() - start + trained_s >= next_eval:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        trained_s += time.perf_counter() - start
+    return {"tta_s": None if tta is None else round(tta, 2), "final_accuracy": acc,
+            "epochs": samples / len(x), "worker_devices": [str(device)],
+            "strategy_stats": None}
+
+
+def save_rows(out: Path, rows: list[dict[str, Any]]) -> None:
+    """After every arm, so a run cut short keeps what it measured."""
+    (out / "gpu_hetero_rows.json").write_text(json.dumps(rows, indent=1, default=str))
+
+
 def arm_row(name: str, summary: dict[str, Any], wall_s: float) -> dict[str, Any]:
     tta = summary.get("tta_s")
     return {"arm": name, "tta_s": None if tta is None else round(tta, 2), "final_accuracy":
@@ -74,6 +119,8 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.96)
     ap.add_argument("--eval-s", type=float, default=0.5)
     ap.add_argument("--max-time-s", type=float, default=25.0)
+    ap.add_argument("--arms", default="plain,gpu-alone,cadp,auto",
+                    help="which arms to run (comma-separated name prefixes)")
     ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -100,14 +147,28 @@ def main() -> int:
                      alone))
     for strategy in ("cadp", "auto"):
         arms.append((strategy, make_cfg(strategy, strategy, "hetero-4", args), measured))
+    plain_device = torch.device("cuda" if args.gpu_kind.startswith("cuda") else "cpu")
+    wanted = tuple(args.arms.split(","))
+    arms = [a for a in arms if a[0].startswith(wanted)]
+    grid = LONE_GRID if "plain loop".startswith(wanted) else ()
+    names = [f"plain loop b{b} lr{lr:g}" for b, lr in grid] + [a[0] for a in arms]
     rows = []
     for seed in args.seeds:
+        for b, lr in grid:
+            t = time.perf_counter()
+            row = plain_loop(wl, plain_device, b, lr, seed, args)
+            rows.append({"seed": seed, "arm": f"plain loop b{b} lr{lr:g}", **row,
+                         "wall_s": round(time.perf_counter() - t, 1)})
+            print(f"seed {seed} {rows[-1]['arm']}: time to {args.target:.0%} "
+                  f"{row['tta_s']} s, final acc {row['final_accuracy']:.3f}", flush=True)
+            save_rows(args.out, rows)
         for name, cfg, cluster in arms:
             cfg = cfg.replace(train=replace(cfg.train, seed=seed))
             t = time.perf_counter()
             r = run_config(cfg, runs_root=None, cluster=cluster, workload=wl)
             rows.append({"seed": seed, **arm_row(name, r.summary, time.perf_counter() - t)})
             row = rows[-1]
+            save_rows(args.out, rows)
             print(f"seed {seed} {name}: time to {args.target:.0%} {row['tta_s']} s, final acc "
                   f"{row['final_accuracy']:.3f}, devices {row['worker_devices']}", flush=True)
     cap = args.max_time_s  # policy: a run that misses the target counts as the time cap
@@ -115,8 +176,11 @@ def main() -> int:
     def tta(row: dict[str, Any]) -> float:
         return row["tta_s"] if row["tta_s"] is not None else cap
 
-    best_lone = {seed: min(tta(r) for r in rows if r["seed"] == seed
-                           and r["arm"].startswith("gpu-alone")) for seed in args.seeds}
+    def lone(row: dict[str, Any]) -> bool:
+        return row["arm"].startswith(("gpu-alone", "plain loop"))
+
+    best_lone = {seed: min(tta(r) for r in rows if r["seed"] == seed and lone(r))
+                 for seed in args.seeds}
     lines = [f"# 1 GPU + 2 CPU workers vs the GPU alone (real devices, {args.gpu_kind})", "",
              "    python3 benchmarks/gpu_hetero.py " + " ".join(sys.argv[1:]), "",
              f"Profile: {m.sources}", ""]
@@ -124,12 +188,13 @@ def main() -> int:
               f"{d.step_overhead_s * 1e3:.2f} ms" for d in measured.devices]
     lines += ["", f"Time to {args.target:.0%} test accuracy in wall s (evaluated every "
               f"{args.eval_s:g} s; a run that misses it within {cap:g} s counts as {cap:g} s), "
-              f"seeds {','.join(map(str, args.seeds))}. 'vs best GPU-alone' is, per seed, the "
-              "best of the GPU-alone grid on that same seed (an oracle choice that favours "
-              "the lone GPU) over the arm's time; median [min, max] over seeds.", "",
-              "| arm | TTA s per seed | vs best GPU-alone | final acc per seed | "
+              f"seeds {','.join(map(str, args.seeds))}. 'vs best GPU alone' is, per seed, the "
+              "best of the GPU-alone arms (hetrain's engine and the plain loop, over the batch "
+              "x lr grid) on that same seed, an oracle choice that favours the lone GPU, over "
+              "the arm's time; median [min, max] over seeds.", "",
+              "| arm | TTA s per seed | vs best GPU alone | final acc per seed | "
               "worker devices |", "|---|---|---|---|---|"]
-    for name, _, _ in arms:
+    for name in names:
         mine = [r for r in rows if r["arm"] == name]
         ratios = [best_lone[r["seed"]] / tta(r) for r in mine]
         ttas = ", ".join(f"{r['tta_s']}" if r["tta_s"] is not None else "missed" for r in mine)
