@@ -61,6 +61,7 @@ def test_layout_ranks_and_environment() -> None:
     assert env["RANK"] == "4" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "7"
     assert env["MASTER_ADDR"] == "10.0.0.1" and env["MASTER_PORT"] == "29400"
     assert env["GLOO_SOCKET_IFNAME"] == "eth1" and "TORCHELASTIC_USE_AGENT_STORE" not in env
+    assert env.get("NCCL_SOCKET_IFNAME", "eth1") == "eth1"
     assert nodes.parse_nproc_per_node("2", 3) == (2, 2, 2)
     assert nodes.parse_endpoint("[::1]:29400") == ("::1", 29400)
     for bad in ("2,2", "0", "x"):

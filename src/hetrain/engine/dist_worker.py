@@ -30,7 +30,7 @@ from hetrain.config import RunConfig
 from hetrain.engine import devices
 from hetrain.engine.core import Replica, Server, TaskResult, float_buffers
 from hetrain.engine.emulate import Throttle, sleep_until
-from hetrain.engine.wire import recv_obj, send_obj, set_message_limit
+from hetrain.engine.wire import recv_obj, recv_obj_timed, send_obj, set_message_limit
 from hetrain.errors import ConfigError
 from hetrain.workloads import Workload
 
@@ -80,16 +80,23 @@ class Worker:
         self.last: TaskResult | None = None
 
     def _recv(self) -> dict[str, Any]:
-        t = time.perf_counter()
-        msg, nbytes = recv_obj(0)
-        self.times["idle_s"] += time.perf_counter() - t
+        """Waiting for rank 0 is idle time; the arrival of the message (a pull on a slow
+        link) is communication."""
+        msg, nbytes, wait_s, transfer_s = recv_obj_timed(0)
+        self.times["idle_s"] += wait_s
+        self.times["comm_s"] += transfer_s
         self._nbytes = nbytes
         return msg
 
     def _send(self, msg: dict[str, Any]) -> int:
+        """Send to rank 0; the time the send takes counts as communication from the next
+        message on (a message carries the times as of its sending)."""
         msg["times"] = dict(self.times)
         msg["overruns"] = self.throttle.overruns
-        return send_obj(msg, 0)
+        t = time.perf_counter()
+        nbytes = send_obj(msg, 0)
+        self.times["comm_s"] += time.perf_counter() - t
+        return nbytes
 
     def run(self) -> None:
         setup = self._recv()

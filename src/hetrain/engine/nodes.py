@@ -134,6 +134,8 @@ class Layout:
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
         if ifname:
             out["GLOO_SOCKET_IFNAME"] = ifname
+            if "NCCL_SOCKET_IFNAME" not in os.environ:  # NCCL's bootstrap, GPU workers
+                out["NCCL_SOCKET_IFNAME"] = ifname
         return out
 
 

@@ -118,6 +118,19 @@ def recv_obj(src: int, group: dist.ProcessGroup | None = None) -> tuple[Any, int
     return recv_body(n, src, group), n + 8
 
 
+def recv_obj_timed(src: int, group: dist.ProcessGroup | None = None
+                   ) -> tuple[Any, int, float, float]:
+    """`recv_obj`, also timing the wait for the message to start (its 8-byte length) apart
+    from the transfer of its body: on a slow link the second is communication, not idling."""
+    t0 = time.perf_counter()
+    length = torch.empty(1, dtype=torch.int64)
+    dist.recv(length, src, group=group)
+    t1 = time.perf_counter()
+    n = int(length.item())
+    obj = recv_body(n, src, group)
+    return obj, n + 8, t1 - t0, time.perf_counter() - t1
+
+
 def pump(src: int, q: queue.Queue[tuple[str, int, Any, int]]) -> None:
     """Receive src's messages into q as ("msg", src, obj, nbytes), until its last ("bye" or
     "stop") or a broken connection (then ("lost", src, reason, 0)). Run in a thread per
