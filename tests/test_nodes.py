@@ -175,7 +175,9 @@ def test_node_alone_says_it_cannot_reach_node0(tmp_path, started) -> None:
                                "--set", "dist.init_timeout_s=5"), 60)
     took = time.monotonic() - t0
     assert rc == 2
-    assert err.strip() == "hetrain: " + nodes.unreachable_message("node 1", master, 5), err
+    assert err.strip().splitlines() == [  # what this node runs, then the one-line error
+        "hetrain: node 1: rank 2 = device 'b', rank 3 = device 'c'",
+        "hetrain: " + nodes.unreachable_message("node 1", master, 5)], err
     assert took < 5 + 8  # the command's own start (importing torch) plus the timeout
     assert tagged(started.tag) == []
 
@@ -233,3 +235,15 @@ def test_two_network_namespaces_run_to_the_end(tmp_path, started, two_hosts) -> 
     result = json.loads(out0)[0]
     assert result["lost_workers"] == [] and result["tta_s"] is not None
     assert result["epochs"] == pytest.approx(4, abs=0.1)
+
+
+def test_each_node_says_which_devices_its_ranks_run() -> None:
+    """The cluster file's device order decides the machine: rank r is device r - 1."""
+    from hetrain.cli.launch import node_roles
+    from hetrain.cluster import load_cluster
+
+    devices = load_cluster("hetero-4").devices
+    assert node_roles(range(0, 3), devices) == (
+        f"rank 0 = the PS, rank 1 = device '{devices[0].name}', "
+        f"rank 2 = device '{devices[1].name}'")
+    assert node_roles(range(3, 6), devices).endswith("rank 5 = PS shard 1")

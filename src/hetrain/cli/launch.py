@@ -14,10 +14,11 @@ import dataclasses
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 
 from hetrain.cli.output import Output
 from hetrain.cli.run import apply_overrides
-from hetrain.cluster import load_cluster
+from hetrain.cluster import Device, load_cluster
 from hetrain.config import RunConfig, load_config
 from hetrain.engine import auth, nodes
 from hetrain.errors import ConfigError
@@ -104,12 +105,31 @@ def rank_command(args: argparse.Namespace, rank: int) -> list[str]:
     return cmd
 
 
+def node_roles(ranks: range, devices: Sequence[Device]) -> str:
+    """What this node's ranks are, in the cluster file's terms: rank r >= 1 is the cluster's
+    device r - 1 (so the device order of the cluster file decides which machine runs which
+    device), ranks past the devices are PS shards."""
+    roles = []
+    for rank in ranks:
+        if rank == 0:
+            roles.append("rank 0 = the PS")
+        elif rank <= len(devices):
+            roles.append(f"rank {rank} = device '{devices[rank - 1].name}'")
+        else:
+            roles.append(f"rank {rank} = PS shard {rank - len(devices)}")
+    return ", ".join(roles)
+
+
 def launch_nodes(args: argparse.Namespace) -> int:
     """This node's share of a several-machine run (hetrain.engine.nodes)."""
     layout = node_layout(args)
     cfg = apply_overrides(load_config(args.config), args.set)
-    layout.check_world(load_cluster(cfg.cluster).n, cfg.dist.ps_shards)
+    cluster = load_cluster(cfg.cluster)
+    layout.check_world(cluster.n, cfg.dist.ps_shards)
     commands = {rank: rank_command(args, rank) for rank in layout.ranks}
+    if not args.quiet and not args.dry_run:
+        print(f"hetrain: node {layout.node_rank}: {node_roles(layout.ranks, cluster.devices)}",
+              file=sys.stderr, flush=True)
     if args.dry_run:
         for rank, cmd in commands.items():
             env = layout.env(rank, args.ifname)
