@@ -120,3 +120,28 @@ def test_plan_goodput_explains_the_auto_plan(tmp_path: Path) -> None:
     assert plan["ps_site"] == "far" and plan["devices"] == ["fast-0", "fast-1", "fast-2"]
     r = hetrain("plan", cwd=tmp_path)
     assert r.returncode == 2 and "--goodput" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_new_run_of_a_name_moves_the_old_one_aside(tmp_path: Path, monkeypatch) -> None:
+    """Nothing is overwritten: runs/<name> -> runs/<name>.1, .2, ...; not on --resume, not
+    on a torchrun restart, not on ranks other than 0."""
+    from hetrain.config import config_from_dict
+    from hetrain.runner import keep_previous_run
+
+    cfg = config_from_dict({"name": "r"})
+    run_dir = tmp_path / "r"
+    assert keep_previous_run(run_dir, cfg) is None  # nothing there yet
+    for k in (1, 2):
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(str(k))
+        assert keep_previous_run(run_dir, cfg) == tmp_path / f"r.{k}"
+        assert (tmp_path / f"r.{k}" / "summary.json").read_text() == str(k)
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_text("x")
+    resume = config_from_dict({"name": "r", "dist": {"resume": True}})
+    assert keep_previous_run(run_dir, resume) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert keep_previous_run(run_dir, cfg) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("RANK", "2")
+    assert keep_previous_run(run_dir, cfg) is None and (run_dir / "checkpoint.pt").is_file()

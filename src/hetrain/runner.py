@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from hetrain.cluster import Cluster
@@ -16,11 +18,15 @@ from hetrain.workloads import Workload
 
 def run_config(cfg: RunConfig, *, runs_root: str | Path | None = "runs",
                progress: ProgressFn | None = None, cluster: Cluster | None = None,
-               workload: Workload | None = None, strategy: Strategy | None = None) -> RunResult:
+               workload: Workload | None = None, strategy: Strategy | None = None,
+               quiet: bool = False) -> RunResult:
     """Train per `cfg` and write runs/<name>/metrics.jsonl and summary.json (unless runs_root
-    is None). The simulator runs in this process; the dist engine needs torchrun or
+    is None; an earlier run of the name is moved aside, `keep_previous_run`, and said so
+    unless `quiet`). The simulator runs in this process; the dist engine needs torchrun or
     `hetrain launch` (see hetrain.engine.dist)."""
     run_dir = None if runs_root is None else Path(runs_root) / cfg.name
+    if run_dir is not None:
+        keep_previous_run(run_dir, cfg, quiet)
     if cfg.engine == "sim":
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
         return simulate(prep, run_dir, progress)
@@ -30,3 +36,24 @@ def run_config(cfg: RunConfig, *, runs_root: str | Path | None = "runs",
         raise ConfigError(f"engine = 'dist' is not available: {e}") from None
     return dist.run_distributed(cfg, run_dir=run_dir, progress=progress, cluster=cluster,
                                 workload=workload, strategy=strategy)
+
+
+def keep_previous_run(run_dir: Path, cfg: RunConfig, quiet: bool = False) -> Path | None:
+    """A new run of a name that already has one moves the old one aside to <name>.<k> (the
+    first free k) and says so: nothing is overwritten, and no old checkpoint.pt sits beside
+    the new results. Not when the run continues the old one (--resume, a torchrun restart)
+    and not on ranks other than 0 (they write nothing)."""
+    env = os.environ
+    if cfg.dist.resume or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 \
+            or env.get("RANK", "0") != "0":
+        return None
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    k = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.{k}")).exists():
+        k += 1
+    run_dir.rename(aside)
+    if not quiet:
+            print(f"hetrain: {run_dir} held an earlier run; moved it to {aside}",
+              file=sys.stderr, flush=True)
+    return aside

@@ -183,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
     preflight(cfg, args.runs_dir)
     out = Output(args.quiet, args.json)
     with out.progress(f"{cfg.name} [{cfg.strategy.name}, dist]") as progress:
-        result = run_config(cfg, runs_root=args.runs_dir, progress=progress)
+        result = run_config(cfg, runs_root=args.runs_dir, progress=progress,
+                            quiet=args.quiet)
     out.print(comparison_table([result]))
     out.json([result.summary])
     return 0

@@ -147,7 +147,8 @@ def main(args: argparse.Namespace) -> int:
     results: list[RunResult] = []
     for cfg in configs:
         with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:
-            results.append(run_config(cfg, runs_root=args.runs_dir, progress=progress))
+            results.append(run_config(cfg, runs_root=args.runs_dir, progress=progress,
+                                      quiet=args.quiet))
     if any("role" in r.summary for r in results):
         return 0  # a worker or PS-shard rank of a dist run: rank 0 reports the results
     out.print(comparison_table(results))
