@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.goodput is None:
-        return plan_from_args(args)
+        return plan_from_args(args, console=Output(quiet=False, as_json=False).console)
     return explain_goodput(args.goodput, args.noise_scale, as_json=args.json)
 
 

@@ -114,14 +114,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def plan_from_args(args: argparse.Namespace) -> int:
+def plan_from_args(args: argparse.Namespace, console: Console | None = None) -> int:
     if not args.cluster or not args.model:
         raise ConfigError("hetrain plan needs --cluster and --model (a parallel plan), or "
                           "--goodput [CONFIG] (the auto strategy's time-to-accuracy plan)")
     return plan_command(args.cluster, args.model, batch=args.batch, model_options=args.model_option,
                         pipeline=not args.no_pipeline, subsets=not args.no_subsets,
                         restarts=args.restarts, optimizer_states=args.optimizer_states,
-                        out=args.out, as_json=args.json)
+                        out=args.out, as_json=args.json, console=console)
 
 
 def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Sequence[str] = (),

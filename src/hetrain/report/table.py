@@ -11,12 +11,14 @@ from hetrain.report.metrics import RunResult
 
 def comparison_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
     """One dict per run; speedup is the baseline's TTA over this run's (baseline: ddp if present,
-    else the first run)."""
-    base = next((r for r in runs if r.summary.get("strategy") == "ddp"), runs[0])
-    base_tta = base.summary.get("tta_s")
+    else the first run, among the runs of the same engine: virtual and wall seconds do not
+    compare)."""
     rows = []
     for r in runs:
         s = r.summary
+        same = [q for q in runs if q.summary.get("engine") == s.get("engine")]
+        base = next((q for q in same if q.summary.get("strategy") == "ddp"), same[0])
+        base_tta = base.summary.get("tta_s")
         tta = s.get("tta_s")
         rows.append({
             "run": r.name, "strategy": s.get("strategy"), "engine": s.get("engine"),
@@ -37,14 +39,21 @@ def _fmt(v: Any, spec: str) -> str:
 def comparison_table(runs: list[RunResult]) -> Table:
     target = next((r.summary.get("target_accuracy") for r in runs
                    if r.summary.get("target_accuracy")), None)
-    clock = "virtual s" if all(r.summary.get("engine") == "sim" for r in runs) else "s"
+    engines = {r.summary.get("engine") for r in runs}
+    clock = {frozenset({"sim"}): "virtual s",
+             frozenset({"dist"}): "wall s of training: start-up and evaluations excluded"}.get(
+        frozenset(engines), "sim: virtual s, dist: wall s; speed-ups within an engine")
     title = f"time to {target:.0%} test accuracy ({clock})" if target else f"runs ({clock})"
     t = Table(title=title)
-    for col in ("run", "strategy", "cluster", "TTA", "speedup", "final acc", "best acc",
-                "epochs", "time", "HW eff.", "GB moved"):
-        t.add_column(col, justify="left" if col in ("run", "strategy", "cluster") else "right")
+    mixed = len(engines) > 1
+    cols = ("run", "strategy", *(("engine",) if mixed else ()), "cluster", "TTA", "speedup",
+            "final acc", "best acc", "epochs", "time", "HW eff.", "GB moved")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("run", "strategy", "engine", "cluster")
+                     else "right")
     for row in comparison_rows(runs):
-        t.add_row(row["run"], str(row["strategy"]), str(row["cluster"]),
+        t.add_row(row["run"], str(row["strategy"]), *((str(row["engine"]),) if mixed else ()),
+                  str(row["cluster"]),
                   _fmt(row["tta_s"], ".3g"), _fmt(row["speedup"], ".2f") + "x"
                   if row["speedup"] else "-",
                   _fmt(row["final_accuracy"], ".3f"), _fmt(row["best_accuracy"], ".3f"),
