@@ -36,8 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(per-sample cost not positive, above 10 PFLOP/s, or noisy), with a warning")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set dist.emulate=none")
-    p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--runs-dir", default="runs",
+                   help="where the default --out and --profile-out files go (default: runs)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no per-device lines (warnings and errors are still printed)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON on stdout")
     p.set_defaults(func=main)
 

@@ -14,10 +14,13 @@ from hetrain.validate import check_output_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="compare runs: table, time-to-accuracy and utilisation plots")
+    p = sub.add_parser("report", help="compare runs: table, time-to-accuracy and utilisation plots",
+                       description="Compare finished runs: a table (time to accuracy, "
+                       "speed-up, final accuracy, hardware efficiency, bytes moved) and PNG "
+                       "plots of accuracy over time, per-worker utilisation and the noise scale.")
     p.add_argument("runs", nargs="+", help="run directories (runs/<name>) or their summary.json")
     p.add_argument("--out", help="folder for the PNGs (default: <first run>/../report)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no table (the plots are written)")
     p.add_argument("--json", action="store_true", help="print the table rows as JSON")
     p.set_defaults(func=main)
 
