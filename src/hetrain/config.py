@@ -68,9 +68,14 @@ class OptimizerConfig:
     name: str = "sgd"
     """sgd | adam | adamw: the workers' optimizer (the server's, for gradient strategies)."""
     lr: float = 0.05
+    """Learning rate tuned for train.batch_size on one device; strategies that change the
+    batch scale it from there (auto: AdaScale's gain or the square-root rule)."""
     momentum: float = 0.9
+    """SGD momentum (ignored by adam / adamw)."""
     weight_decay: float = 0.0
+    """L2 penalty (decoupled for adamw)."""
     nesterov: bool = False
+    """Nesterov momentum (sgd)."""
 
     def __post_init__(self) -> None:
         _check_choice("optimizer.name", self.name, ("sgd", "adam", "adamw"))
@@ -82,6 +87,8 @@ class TrainConfig:
     batch_size: int = 32
     """Reference per-worker batch (what DDP gives every rank)."""
     seed: int = 0
+    """Seeds the model's initial weights, the data order and the workers' own randomness: the
+    simulator repeats a run exactly for a seed (on the same CPU and torch build)."""
     compression: str = "none"
     """Compressor for pushes: none | fp16 | topk | qsgd (see hetrain.compress)."""
     compression_options: dict[str, Any] = field(default_factory=dict)
