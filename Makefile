@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetrain-installed
 
-.PHONY: setup demo test test-slow lint bench clean
+.PHONY: setup demo test test-slow lint clean
 
 setup: $(STAMP)
 

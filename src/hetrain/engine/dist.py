@@ -505,7 +505,7 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
             role = "ps_shard" if rv.rank > n else "worker"
             return RunResult(cfg.name, [], {"name": cfg.name, "engine": "dist", "role": role,
                                             "rank": rv.rank, "strategy": cfg.strategy.name,
-                                            "final_accuracy": 0.0}, None)
+                                            "final_accuracy": None}, None)
         return result
     return spawn_local(cfg, run_dir=run_dir, progress=progress, cluster=cluster,
                        workload=workload, strategy=strategy, faults=faults)

@@ -199,7 +199,3 @@ class PlanExecutor:
         full = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return float(full.detach())
 
-    def full_state(self) -> dict[str, Tensor]:
-        """Gathered parameters (collective: call on every rank)."""
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in self.model.state_dict().items()}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -41,7 +42,11 @@ from typing import Any
 
 import numpy as np
 import tomli_w
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError

@@ -58,9 +58,6 @@ class Op:
     def out_bytes(self) -> float:
         return float(math.prod(self.out_shape)) * self.dtype_bytes
 
-    def in_bytes(self, slot: int) -> float:
-        return float(math.prod(self.in_shapes[slot])) * self.dtype_bytes
-
 
 @dataclass(frozen=True)
 class LayerGraph:

@@ -11,7 +11,7 @@ from two sources:
 - the real engine's profiler (`hetrain.profile.measure`), which times steps and transfers and
   builds the same type with `source = "measured"`.
 
-Strategies may refine a profile online from `Push.compute_s` (see `refined`), never from clocks.
+Strategies refine their own cost estimates online from `Push.compute_s`, never from clocks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,14 +120,6 @@ class Profile:
     def from_context(ctx: RunContext, batch_size: int | None = None,
                      push_ratio: float = 1.0) -> Profile:
         return Profile.from_cluster(ctx.cluster, ctx, batch_size, push_ratio)
-
-    def refined(self, worker: int, step_time_s: float, weight: float = 0.5) -> Profile:
-        """A copy with worker's step time moved toward a new measurement (EMA with `weight`)."""
-        w = self.workers[worker]
-        new = (1 - weight) * w.step_time_s + weight * step_time_s
-        workers = list(self.workers)
-        workers[worker] = replace(w, step_time_s=new)
-        return replace(self, workers=tuple(workers))
 
     # ---- summaries --------------------------------------------------------------------------
     def step_times_s(self) -> list[float]:
