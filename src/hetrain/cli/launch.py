@@ -15,9 +15,10 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hetrain.cli.output import Output
-from hetrain.cli.run import apply_overrides
+from hetrain.cli.run import apply_overrides, write_plots
 from hetrain.cluster import Device, load_cluster
 from hetrain.config import RunConfig, load_config
 from hetrain.engine import auth, nodes
@@ -42,6 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override a config value, e.g. --set dist.time_scale=0.25")
     p.add_argument("--runs-dir", default="runs", help="where runs/<name>/ is written")
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     multi = p.add_argument_group(
         "several machines", "the same command on every node, each with its own --node-rank; "
@@ -93,7 +95,9 @@ def rank_command(args: argparse.Namespace, rank: int) -> list[str]:
     """`hetrain run` for one rank: rank 0 shows progress and the results (as --quiet/--json
     ask); the other ranks print only their errors."""
     cmd = [sys.executable, "-m", "hetrain", "run", args.config, "--engine", "dist",
-           "--no-plot", "--runs-dir", args.runs_dir]
+           "--runs-dir", args.runs_dir]
+    if rank != 0 or args.no_plot:  # rank 0 draws the run's plots, as on one machine
+        cmd.append("--no-plot")
     for item in args.set:
         cmd += ["--set", item]
     if args.resume:
@@ -186,5 +190,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_config(cfg, runs_root=args.runs_dir, progress=progress,
                             quiet=args.quiet)
     out.print(comparison_table([result]))
+    if not args.no_plot:
+        write_plots([result], Path(args.runs_dir) / cfg.name, out)
     out.json([result.summary])
     return 0

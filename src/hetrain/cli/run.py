@@ -153,12 +153,16 @@ def main(args: argparse.Namespace) -> int:
         return 0  # a worker or PS-shard rank of a dist run: rank 0 reports the results
     out.print(comparison_table(results))
     if not args.no_plot:
-        report_dir = Path(args.runs_dir) / (base.name + "-report" if len(configs) > 1
-                                            else base.name)
-        report_dir.mkdir(parents=True, exist_ok=True)
-        tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
-        util = plot_utilisation(results, report_dir / "utilisation.png")
-        noise = plot_noise_scale(results, report_dir / "noise_scale.png")
-        out.print("plots: " + "  ".join(str(p) for p in (tta, util, noise) if p))
+        write_plots(results, Path(args.runs_dir) / (base.name + "-report" if len(configs) > 1
+                                                     else base.name), out)
     out.json([r.summary for r in results])
     return 0
+
+
+def write_plots(results: list[RunResult], report_dir: Path, out: Output) -> None:
+    """The time-to-accuracy, utilisation and noise-scale PNGs of finished runs."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
+    util = plot_utilisation(results, report_dir / "utilisation.png")
+    noise = plot_noise_scale(results, report_dir / "noise_scale.png")
+    out.print("plots: " + "  ".join(str(p) for p in (tta, util, noise) if p))
