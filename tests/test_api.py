@@ -109,7 +109,16 @@ def test_optimizer_forms_agree(optimizer):
     r = train(Tiny(), TRAIN, test_dataset=TEST, **{**QUICK, "optimizer": optimizer,
                                                     "max_epochs": 0.2})
     assert r.summary["config"]["optimizer"] == {"name": "sgd", "lr": 0.1, "momentum": 0.5,
-                                                "weight_decay": 0.0, "nesterov": False}
+                                                "weight_decay": 0.0, "nesterov": False,
+                                                "options": {}, "clip_grad_norm": 0.0}
+
+
+def test_any_torch_optimizer_class_is_accepted():
+    r = train(Tiny(), TRAIN, test_dataset=TEST, **{**QUICK, "max_epochs": 0.2, "optimizer":
+                                                    (torch.optim.RMSprop, {"lr": 0.01,
+                                                                           "alpha": 0.9})})
+    opt = r.summary["config"]["optimizer"]
+    assert (opt["name"], opt["lr"], opt["options"]) == ("RMSprop", 0.01, {"alpha": 0.9})
 
 
 def test_strategy_cluster_and_config_forms(tmp_path):
@@ -216,7 +225,7 @@ class Singles(Dataset):
     (dict(loss_fn=lambda out, y: out), "scalar"),
     (dict(strategy="no_such"), "unknown strategy 'no_such'"),
     (dict(strategy={"name": "local_sgd", "h": 2}), r"unknown option\(s\) \['h'\]"),
-    (dict(optimizer=torch.optim.RMSprop), "not supported"),
+    (dict(optimizer=(torch.optim.RMSprop, {"alphaa": 0.9})), r"unknown option\(s\) \[.alphaa.\]"),
     (dict(optimizer=(torch.optim.Adam, {"betas": (0.9, 0.99)})), r"\['betas'\]"),
     (dict(optimizer={"name": "lion"}), "optimizer.name"),
     (dict(cluster="hetero-3"), "not found; give a TOML file or a preset name"),

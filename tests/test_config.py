@@ -41,7 +41,7 @@ def test_relative_cluster_path_resolves_next_to_the_config(tmp_path) -> None:
     ({"train": {"batchsize": 3}}, "[train]: unknown key(s) ['batchsize']; allowed keys"),
     ({"train": {"batch_size": 0}}, "train.batch_size must be an integer >= 1"),
     ({"train": {"batch_size": "big"}}, "train.batch_size must be of type int"),
-    ({"optimizer": {"name": "lion"}}, "optimizer.name = 'lion' is not allowed; choose one of: sgd, adam, adamw"),
+    ({"optimizer": {"name": "lion"}}, "optimizer.name = 'lion' is neither sgd, adam, adamw nor a torch.optim optimizer; choose one of: sgd, adam, adamw, ASGD"),
     ({"optimizer": {"lr": -1.0}}, "optimizer.lr must be a positive number"),
     ({"engine": "gpu"}, "engine = 'gpu' is not allowed; choose one of: sim, dist"),
     ({"stop": {"target_accuracy": 80}}, "stop.target_accuracy must be in [0, 1]"),

@@ -209,3 +209,37 @@ def test_unsent_samples_are_the_samples_drawn_minus_the_samples_applied(digits_m
     assert any(buffered) and s["unsent_samples"] > sum(buffered)  # buffered and in flight
     assert sim.applied_samples == sum(strategy.applied) >= s["config"]["stop"]["max_epochs"] \
         * sim.p.ctx.train_samples
+
+
+def test_any_torch_optimizer_and_gradient_clipping(digits_mlp) -> None:
+    """optimizer.name may be any torch.optim class with its options; clip_grad_norm bounds
+    every step's gradient, on a worker (delta) and on the server (gradient)."""
+    import torch
+
+    from hetrain.config import OptimizerConfig, config_from_dict
+    from hetrain.engine.core import Replica, Server
+    from hetrain.errors import ConfigError
+    from hetrain.runner import run_config
+    from hetrain.strategies.base import OuterOptimizer, WorkTask
+
+    cfg = config_from_dict({"cluster": "homo-4", "workload": {"model": "mlp", "dataset": "digits"},
+                            "strategy": {"name": "local_sgd", "local_steps": 2},
+                            "optimizer": {"name": "RMSprop", "lr": 0.003,
+                                          "options": {"alpha": 0.9}},
+                            "stop": {"max_epochs": 2.0}})
+    s = run_config(cfg, runs_root=None, workload=digits_mlp).summary
+    assert s["final_accuracy"] > 0.5, s["final_accuracy"]
+    for bad, match in (({"name": "RMSprop", "options": {"alphaa": 0.9}}, "alphaa"),
+                       ({"name": "Nope"}, "RMSprop"), ({"name": "sgd", "options": {"x": 1}},
+                                                       "optimizer.options")):
+        with pytest.raises(ConfigError, match=match):
+            OptimizerConfig(**bad)
+    torch.manual_seed(0)
+    clip = OptimizerConfig(lr=1.0, momentum=0.0, clip_grad_norm=1e-3)
+    rep = Replica(digits_mlp, digits_mlp.build_model(), clip)
+    r = rep.run(WorkTask(batch_size=32), "delta", [torch.arange(32)])
+    assert r.update.norm() == pytest.approx(1e-3, rel=1e-3)  # lr 1 x a gradient of norm 1e-3
+    server = Server(digits_mlp.build_model(), "gradient", clip, OuterOptimizer())
+    before = server.params()
+    server.apply([(1.0, torch.ones_like(before), [])])
+    assert (before - server.params()).norm() == pytest.approx(1e-3, rel=1e-3)

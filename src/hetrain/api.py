@@ -167,8 +167,9 @@ def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | No
 # ---- options ----------------------------------------------------------------------------------
 def _optimizer_table(optimizer: Any) -> dict[str, Any]:
     """A dict, a torch optimizer class, (class, kwargs) or functools.partial(class, **kwargs)
-    -> the [optimizer] table. The engines rebuild the optimizer on every replica from it, so
-    only SGD, Adam and AdamW (and their configurable options) are accepted."""
+    -> the [optimizer] table. The engines rebuild the optimizer on every replica from it:
+    SGD, Adam and AdamW map to their own keys, any other torch.optim class to its name and
+    `options` (hetrain.validate.check_optimizer checks them)."""
     if optimizer is None:
         return {}
     if isinstance(optimizer, Mapping):
@@ -180,9 +181,13 @@ def _optimizer_table(optimizer: Any) -> dict[str, Any]:
         cls, kwargs = optimizer[0], dict(optimizer[1])
     name = _TORCH_OPTIMIZERS.get(cls)  # type: ignore[call-overload]
     if name is None:
-        raise ConfigError(f"optimizer {optimizer!r} is not supported; give a dict like "
-                          "{'name': 'sgd', 'lr': 0.05} or one of torch.optim.SGD, Adam, AdamW "
-                          "(as a class, (class, kwargs) or functools.partial)")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                and getattr(torch.optim, cls.__name__, None) is cls):
+            raise ConfigError(f"optimizer {optimizer!r} is not supported; give a dict like "
+                              "{'name': 'sgd', 'lr': 0.05} or a torch.optim optimizer class "
+                              "(as a class, (class, kwargs) or functools.partial)")
+        lr = {"lr": kwargs.pop("lr")} if "lr" in kwargs else {}
+        return {"name": cls.__name__, **lr, "options": kwargs}
     if unknown := sorted(set(kwargs) - _SUPPORTED_KWARGS[name]):
         raise ConfigError(f"optimizer {cls.__name__}: option(s) {unknown} are not supported; "
                           f"allowed: {sorted(_SUPPORTED_KWARGS[name])}")

@@ -66,7 +66,8 @@ class WorkloadConfig:
 @dataclass(frozen=True)
 class OptimizerConfig:
     name: str = "sgd"
-    """sgd | adam | adamw: the workers' optimizer (the server's, for gradient strategies)."""
+    """sgd | adam | adamw, or any torch.optim optimizer class by name (e.g. RMSprop, NAdam,
+    Adagrad): the workers' optimizer (the server's, for gradient strategies)."""
     lr: float = 0.05
     """Learning rate tuned for train.batch_size on one device; strategies that change the
     batch scale it from there (auto: AdaScale's gain or the square-root rule)."""
@@ -76,9 +77,15 @@ class OptimizerConfig:
     """L2 penalty (decoupled for adamw)."""
     nesterov: bool = False
     """Nesterov momentum (sgd)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """A torch.optim class named in `name`: its keyword arguments besides lr (e.g.
+    {alpha = 0.9} for RMSprop); momentum, weight_decay and nesterov apply to sgd/adam/adamw."""
+    clip_grad_norm: float = 0.0
+    """Clip the gradient's L2 norm to this before every optimizer step, a worker's local step
+    or the server's (torch.nn.utils.clip_grad_norm_); 0: off."""
 
     def __post_init__(self) -> None:
-        _check_choice("optimizer.name", self.name, ("sgd", "adam", "adamw"))
+        validate.check_optimizer(self.name, self.options)
         validate.check_fields("optimizer", self)
 
 

@@ -113,6 +113,7 @@ FIELD_LIMITS: dict[str, Limit] = {
     "optimizer.lr": positive(1e3),
     "optimizer.momentum": fraction(lo_open=False),
     "optimizer.weight_decay": non_negative(1e3),
+    "optimizer.clip_grad_norm": non_negative(1e9),
     "train.batch_size": integer(1, 10**9),
     "train.seed": integer(0, SEED_MAX),
     "train.eval_every_epochs": positive(1e6),
@@ -394,6 +395,41 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
         _check_value(f"{table}.{key}" if table else f"{what}: option {key}",
                      f" ({what})" if table else "", value, hints.get(key, Any),
                      OPTION_LIMITS.get((kind, name, key)))
+
+
+BUILTIN_OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def optimizer_class(name: str) -> type:
+    """The torch.optim class `name` names (a ConfigError listing them otherwise)."""
+    import torch
+
+    cls = getattr(torch.optim, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and cls is not torch.optim.Optimizer):
+        names = sorted(n for n, c in vars(torch.optim).items() if isinstance(c, type)
+                       and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer)
+        raise ConfigError(f"optimizer.name = {name!r} is neither sgd, adam, adamw nor a "
+                          f"torch.optim optimizer; choose one of: sgd, adam, adamw, "
+                          f"{', '.join(names)}")
+    return cls
+
+
+def check_optimizer(name: Any, options: Any) -> None:
+    """optimizer.name and optimizer.options: a built-in name takes no options; a torch.optim
+    class takes its own keyword arguments (besides params and lr)."""
+    if not isinstance(name, str):
+        raise ConfigError(f"optimizer.name must be a string, got {name!r}")
+    if name in BUILTIN_OPTIMIZERS:
+        if options:
+            raise ConfigError(f"optimizer.options are for a torch.optim class named in "
+                              f"optimizer.name; {name} takes momentum, weight_decay and "
+                              "nesterov in [optimizer] itself")
+        return
+    cls = optimizer_class(name)
+    if isinstance(options, Mapping) and "lr" in options:
+        raise ConfigError("optimizer.options: set lr as optimizer.lr (strategies scale it)")
+    check_options("optimizer", name, cls, options, skip=1, table="optimizer.options")
 
 
 def check_limits(kind: str, name: str, values: Mapping[str, Any], table: str) -> None:

@@ -22,6 +22,7 @@ from hetrain.engine.devices import Mover
 from hetrain.engine.precision import LossScaler, autocast
 from hetrain.plan.noise import GradProbe
 from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
+from hetrain.validate import optimizer_class
 from hetrain.workloads import Workload, gather
 
 
@@ -67,7 +68,15 @@ def build_optimizer(cfg: OptimizerConfig, params: Iterator[nn.Parameter]) -> tor
                                weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return optimizer_class(cfg.name)(params, lr=cfg.lr, **cfg.options)
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> None:
+    """optimizer.clip_grad_norm: the gradient's L2 norm clipped before a step (0: off)."""
+    if max_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 Buffered = tuple[Any, list[Tensor], int]
@@ -148,6 +157,7 @@ class Replica:
         self.optimizer = build_optimizer(opt_cfg, self.model.parameters())
         self.precision = precision
         self.scaler = LossScaler(precision == "fp16")
+        self.clip_grad_norm = opt_cfg.clip_grad_norm
 
     def load(self, params: Tensor, buffers: list[Tensor]) -> None:
         set_flat_params(self.model, self.mover.to_device(params))
@@ -194,6 +204,7 @@ class Replica:
                     self.scaler.scaled(loss).backward()
                     loss_value = loss.item()
                 if self.scaler.unscale(params):  # fp16: a step with overflowed grads is skipped
+                    clip_gradients(params, self.clip_grad_norm)
                     self.optimizer.step()
                 losses.append(loss_value)
             out = start - flat_params(self.model)
@@ -248,6 +259,7 @@ class Server:
         """The parameters this server updates (a block of them on a sharded PS; the optimizers
         are element-wise, so a block steps exactly as it would inside the whole model)."""
         self.version = 0
+        self.clip_grad_norm = opt_cfg.clip_grad_norm if update == "gradient" else 0.0
         if update == "gradient":
             self.optimizer = build_optimizer(opt_cfg, iter(self.owned))
         else:
@@ -267,6 +279,8 @@ class Server:
             return
         agg = sum(w * u for w, u, _ in weighted)
         set_flat_grads(self.owned, agg)
+        if self.clip_grad_norm > 0:  # gradient strategies: the server's step on the aggregate
+            clip_gradients(self.owned, self.clip_grad_norm)
         self.optimizer.step()
         total = sum(w for w, _, _ in weighted)
         with torch.no_grad():
