@@ -243,3 +243,18 @@ def test_any_torch_optimizer_and_gradient_clipping(digits_mlp) -> None:
     before = server.params()
     server.apply([(1.0, torch.ones_like(before), [])])
     assert (before - server.params()).norm() == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_metrics_csv_holds_the_scalar_columns_of_every_row(tmp_path, digits_mlp) -> None:
+    import csv
+    import json
+
+    cfg = config_from_dict({"name": "csv", "cluster": "homo-4",
+                            "workload": {"model": "mlp", "dataset": "digits"},
+                            "strategy": {"name": "ddp"}, "stop": {"max_epochs": 0.5}})
+    run_config(cfg, runs_root=tmp_path, workload=digits_mlp)
+    rows = [json.loads(line) for line in (tmp_path / "csv" / "metrics.jsonl").open()]
+    with (tmp_path / "csv" / "metrics.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows) >= 2 and "busy_s" not in table[0]
+    assert [float(r["test_accuracy"]) for r in table] == [r["test_accuracy"] for r in rows]

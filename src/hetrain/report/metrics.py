@@ -1,4 +1,5 @@
-"""Run metrics: `runs/<name>/metrics.jsonl` (one row per evaluation) and `summary.json`.
+"""Run metrics: `runs/<name>/metrics.jsonl` (one row per evaluation; the scalar columns also
+in metrics.csv) and `summary.json`.
 
 Both engines fill a `MetricsLog`; `hetrain report` reads the files back. Time-to-accuracy
 (TTA) is the first evaluation time at which test accuracy reaches the target. Hardware
@@ -7,6 +8,7 @@ efficiency is achieved samples/s over the sum of the devices' samples/s.
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,10 +67,14 @@ class MetricsLog:
     tta_s: float | None = None
     tta_samples: int | None = None
 
+    csv_fields: list[str] = field(default_factory=list)
+    """The columns of metrics.csv: the first row's scalar fields."""
+
     def __post_init__(self) -> None:
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "metrics.jsonl").write_text("")
+            (self.run_dir / "metrics.csv").write_text("")
 
     def target_reached(self) -> bool:
         return self.tta_s is not None
@@ -89,7 +95,22 @@ class MetricsLog:
         if self.run_dir is not None:
             with (self.run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            self._write_csv(row)
         return row
+
+    def _write_csv(self, row: dict[str, Any]) -> None:
+        """metrics.csv: the scalar columns of metrics.jsonl (per-worker lists left out), for
+        a spreadsheet or pandas.read_csv."""
+        assert self.run_dir is not None
+        header = not self.csv_fields
+        if header:
+            self.csv_fields = [k for k, v in row.items() if not isinstance(v, list | dict)]
+        with (self.run_dir / "metrics.csv").open("a", newline="") as f:
+            writer = csv.DictWriter(f, self.csv_fields, extrasaction="ignore")
+            if header:
+                writer.writeheader()
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k))
+                             for k in self.csv_fields})
 
     def _hits_target(self, acc: float, loss: float) -> bool:
         if self.target_accuracy > 0:
