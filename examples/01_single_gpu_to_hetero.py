@@ -3,7 +3,8 @@
     python examples/01_single_gpu_to_hetero.py            # ~20 s
     python examples/01_single_gpu_to_hetero.py --smoke    # a few steps (CI)
     python examples/01_single_gpu_to_hetero.py --engine dist   # real processes on this box
-    torchrun --standalone --nproc-per-node 5 examples/01_single_gpu_to_hetero.py --engine dist
+    torchrun --standalone --nproc-per-node 5 --local-ranks-filter 0 \
+        examples/01_single_gpu_to_hetero.py --engine dist
 
 BEFORE is an ordinary PyTorch script: a model, a Dataset class, a DataLoader loop. AFTER hands
 the same model and data set to `hetrain.train`, which trains them on a cluster of 4 devices of

@@ -65,7 +65,9 @@ def main() -> None:
     s = r.summary
     print(f"test loss {s['final_loss']:.3f} nats/char, next-char accuracy "
           f"{s['final_accuracy']:.3f}, {s['time_s']:.2f} s ({s['engine']}), time to loss "
-          f"{args.target_loss}: {s['tta_s']}")
+          f"{args.target_loss}: " + (f"{s['tta_s']:.2f} s" if s["tta_s"] is not None else
+                                     f"not reached in {s['epochs']:.2f} epochs (more "
+                                     "--epochs, or a higher --target-loss)"))
     if r.model is not None:
         print("sample:", repr(sample(r.model, meta["vocab"], "def ", 40 if args.smoke else 200,
                                      block)))
