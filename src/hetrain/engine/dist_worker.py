@@ -6,8 +6,11 @@ mode the initial global model), "task" (WorkTask + sample indices [+ params, ps 
 global model), "state" (send my copy of the global model), "stop". Every answer carries the
 worker's cumulative busy / comm / idle seconds, measured here:
   busy = the task's compute, padded to its emulated budget;
-  comm = emulated wire time of pull and push, and all-reduces (padded to the ring model);
-  idle = waiting for rank 0 (for a barrier, a quorum or the server's turn).
+  comm = emulated wire time of pull and push, the real arrival of rank 0's messages and the
+         sending of the worker's own, and all-reduces (padded to the ring model);
+  idle = waiting for rank 0's next message to start (a barrier, a quorum, the server's turn).
+The worker computes on its torch device (hetrain.engine.devices, chosen at setup; a device it
+cannot have is reported to rank 0 in its "ready" message, which stops the run in one line).
 With PS shards (`dist_shard`) a task carries block 0 of the parameters: the worker pulls the
 other blocks from the shards at the task's version, and pushes each block of its update
 (compressed with that block's own error feedback) to the shard that holds it.
