@@ -32,8 +32,10 @@ _LAZY = {
     "ConfigError": "hetrain.errors",
     "RunResult": "hetrain.report.metrics",
     "load_run": "hetrain.report.metrics",
+    "HeteroDDP": "hetrain.ddp",
+    "HeteroBatchSampler": "hetrain.ddp",
 }
-_SUBMODULES = ("strategies", "workloads", "cluster", "config", "api")
+_SUBMODULES = ("strategies", "workloads", "cluster", "config", "api", "ddp")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

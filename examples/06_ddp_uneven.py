@@ -1,0 +1,41 @@
+"""Your own DDP script with uneven per-rank batches (hetrain.ddp): lines marked # hetrain.
+
+    torchrun --standalone --nproc-per-node 3 examples/06_ddp_uneven.py   # gloo on CPUs
+    torchrun --standalone --nproc-per-node 2 examples/06_ddp_uneven.py --smoke
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from hetrain.ddp import HeteroDDP  # hetrain
+from hetrain.workloads import evaluate, get_workload
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--smoke", action="store_true", help="a few steps on a small data set (CI)")
+args = ap.parse_args()
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+wl = get_workload("cnn", "mnist1d", dataset_options={"num_samples": 1200 if args.smoke else 8000})
+torch.manual_seed(0)
+model = DDP(wl.build_model())
+het = HeteroDDP(global_batch=128, seed=0, rebalance_every=5 if args.smoke else 20)  # hetrain
+het.attach(model)                                   # hetrain: weighted gradient all-reduce
+sampler = het.batch_sampler(wl.train)               # hetrain: was DistributedSampler(wl.train)
+loader = DataLoader(wl.train, batch_sampler=sampler)  # hetrain: was batch_size=128 // world
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for epoch in range(1 if args.smoke else 10):
+    sampler.set_epoch(epoch)
+    for x, y in loader:
+        with het.step():                            # hetrain: times the step, rebalances
+            loss = wl.loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    if dist.get_rank() == 0:
+        _, acc = evaluate(model.module, wl.test, wl.loss_fn)
+        print(f"epoch {epoch}: test accuracy {acc:.3f}, batches per rank {list(het.sizes)}")
+dist.destroy_process_group()
