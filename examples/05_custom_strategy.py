@@ -97,7 +97,7 @@ def main() -> None:
         print(f"{r_name(strategy):15s} accuracy {r.summary['final_accuracy']:.3f}  virtual time "
               f"{r.summary['time_s']:7.2f} s  time to 60% "
               f"{'not reached' if tta is None else f'{tta:.2f} s'}  "
-              f"bytes {r.summary['bytes_total'] / 1e6:.1f} MB")
+              f"bytes {r.summary['bytes_total'] / 1e6:.1f} MB  {r.summary['strategy_stats']}")
     ratio = results["ddp"]["time_s"] / results["post_local_sgd"]["time_s"]
     if ratio >= 1:
         print(f"post-local SGD ran the same epochs {ratio:.1f}x sooner (simulated) than DDP")
