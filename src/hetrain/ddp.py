@@ -233,7 +233,9 @@ class HeteroDDP:
     Call after `dist.init_process_group`. global_batch: samples per step over all ranks (kept
     fixed). batch_sizes: an initial plan (e.g. `hetrain.plan_batches(...).batch_sizes`;
     default: an even split, which the first rebalance corrects). rebalance_every: K, steps
-    between re-plans (0: never). min_gain: re-plan only when the predicted step time improves
+    between re-plans (0: never); the first re-plan comes after `first_rebalance` steps (default
+    min(5, K): the median of a few steps is enough to leave an even split early, which matters
+    most to short runs). min_gain: re-plan only when the predicted step time improves
     by more than this fraction. check: extra values that must agree on every rank (e.g. the
     data set's length), compared at setup with the others.
     """
@@ -241,7 +243,7 @@ class HeteroDDP:
     def __init__(self, global_batch: int, *, seed: int = 0, rebalance_every: int = 50,
                  batch_sizes: Sequence[int] | None = None, min_gain: float = 0.05,
                  min_batch: int = 1, group: Any = None, check: dict[str, Any] | None = None,
-                 ) -> None:
+                 first_rebalance: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("HeteroDDP needs torch.distributed initialised "
                               "(dist.init_process_group) first")
@@ -254,10 +256,13 @@ class HeteroDDP:
         self.global_batch, self.seed = global_batch, int(seed)
         self.rebalance_every, self.min_gain, self.min_batch = int(rebalance_every), min_gain, \
             int(min_batch)
+        self.first_rebalance = min(5, self.rebalance_every) if first_rebalance is None \
+            else int(first_rebalance)
         sizes = even_split(global_batch, self.world_size) if batch_sizes is None \
             else _check_sizes(batch_sizes, self.world_size)
         self.check_config({"global_batch": global_batch, "seed": self.seed,
                            "rebalance_every": self.rebalance_every, "min_gain": min_gain,
+                           "first_rebalance": self.first_rebalance,
                            "min_batch": self.min_batch, "batch_sizes": list(sizes),
                            **(check or {})})
         if sum(sizes) != global_batch:
@@ -333,7 +338,8 @@ class HeteroDDP:
         self._window.per_sample.append(
             elapsed / (micro_batches * self._step_sizes[self.rank]))
         self.steps += 1
-        if self.rebalance_every and self.steps % self.rebalance_every == 0:
+        if (self.rebalance_every and self.steps % self.rebalance_every == 0) \
+                or self.steps == self.first_rebalance:
             self.rebalance()
 
     def rebalance(self) -> tuple[int, ...]:
