@@ -77,7 +77,7 @@ def test_dry_run_prints_each_process_of_this_node(tmp_path, capsys) -> None:
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("RANK=2 LOCAL_RANK=0 WORLD_SIZE=4 ")
-    assert "MASTER_ADDR=host0 MASTER_PORT=29400 GLOO_SOCKET_IFNAME=eth1 " in lines[1]
+    assert "MASTER_ADDR=host0 MASTER_PORT=29400 " in lines[1] and " GLOO_SOCKET_IFNAME=eth1 " in lines[1]
     assert "-m hetrain run" in lines[1] and "--engine dist" in lines[1]
 
 
@@ -179,6 +179,20 @@ def test_node_alone_says_it_cannot_reach_node0(tmp_path, started) -> None:
         "hetrain: node 1: rank 2 = device 'b', rank 3 = device 'c'",
         "hetrain: " + nodes.unreachable_message("node 1", master, 5)], err
     assert took < 5 + 8  # the command's own start (importing torch) plus the timeout
+    assert tagged(started.tag) == []
+
+
+def test_node0_alone_says_once_that_the_others_never_joined(tmp_path, started) -> None:
+    """Every rank of node 0 times out alike: one line (the node's first rank's), no c10d
+    warnings, no per-rank exit lines."""
+    config = write_config(tmp_path)
+    master = f"127.0.0.1:{free_port()}"
+    rc, _, err = finish(node(started, config, 0, master, tmp_path / "n0",
+                             "--set", "dist.init_timeout_s=5"), 60)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("hetrain: node 0: rank 0 = the PS"), err
+    assert lines[1].startswith("hetrain: error: rank 0: not all") and master in lines[1], err
     assert tagged(started.tag) == []
 
 

@@ -7,3 +7,8 @@ class HetrainError(Exception):
 
 class ConfigError(HetrainError, ValueError):
     """A config or cluster file is wrong; the message names the key and the allowed values."""
+
+
+class ReportedElsewhereError(HetrainError):
+    """A user error that another process of the same node has already printed (every rank of
+    a node that nobody joined times out alike): exit 2 without printing it again."""

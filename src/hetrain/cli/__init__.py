@@ -13,7 +13,7 @@ from typing import NoReturn
 
 from hetrain import __version__
 from hetrain.engine.signals import RunInterrupted
-from hetrain.errors import HetrainError
+from hetrain.errors import HetrainError, ReportedElsewhereError
 
 COMMANDS = ("run", "launch", "profile", "plan", "report")
 """Subcommand modules under hetrain.cli, in the order `--help` lists them."""
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunInterrupted as e:  # checkpointed (or said why not); 128 + signal, as a shell would
         print(f"hetrain: {e}", file=sys.stderr)
         return 128 + e.signum
+    except ReportedElsewhereError:
+        return 2
     except HetrainError as e:
         print(f"hetrain: error: {e}", file=sys.stderr)
         return 2

@@ -131,9 +131,6 @@ def launch_nodes(args: argparse.Namespace) -> int:
     cluster = load_cluster(cfg.cluster)
     layout.check_world(cluster.n, cfg.dist.ps_shards)
     commands = {rank: rank_command(args, rank) for rank in layout.ranks}
-    if not args.quiet and not args.dry_run:
-        print(f"hetrain: node {layout.node_rank}: {node_roles(layout.ranks, cluster.devices)}",
-              file=sys.stderr, flush=True)
     if args.dry_run:
         for rank, cmd in commands.items():
             env = layout.env(rank, args.ifname)
@@ -144,6 +141,9 @@ def launch_nodes(args: argparse.Namespace) -> int:
                           f"{auth.HOW_TO_SET} (or {auth.ENV_SECRET_FILE}=PATH)")
     if layout.has_rank0:
         nodes.check_master_here(layout.master_addr, layout.master_port)
+    if not args.quiet:
+        print(f"hetrain: node {layout.node_rank}: {node_roles(layout.ranks, cluster.devices)}",
+              file=sys.stderr, flush=True)
     rc = nodes.Supervisor(layout, commands, init_timeout_s=cfg.dist.init_timeout_s,
                           ifname=args.ifname, base_env=os.environ).run()
     if args.json and not layout.has_rank0:

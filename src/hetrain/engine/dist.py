@@ -66,7 +66,7 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
 from hetrain.engine.sim import ProgressFn
-from hetrain.errors import ConfigError, HetrainError
+from hetrain.errors import ConfigError, HetrainError, ReportedElsewhereError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
 from hetrain.validate import check_ps_shard_count
@@ -216,11 +216,13 @@ def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
                               "pick another with --port PORT (or 0 for a free one)") from None
         if isinstance(e, dist.DistStoreError) or "timeout" in text.lower() \
                 or "timed out" in text.lower():
-            raise ConfigError(
-                f"rank {rv.rank}: not all {rv.world_size} ranks joined the run at "
-                f"{_endpoint(rv)} within {cfg.dist.init_timeout_s:g} s (is every node "
-                f"started with the same --nproc-per-node and --master, and is "
-                f"GLOO_SOCKET_IFNAME/--ifname right?)") from None
+            why = (f"rank {rv.rank}: not all {rv.world_size} ranks joined the run at "
+                   f"{_endpoint(rv)} within {cfg.dist.init_timeout_s:g} s (is every node "
+                   f"started with the same --nproc-per-node and --master, and is "
+                   f"GLOO_SOCKET_IFNAME/--ifname right?)")
+            if rv.local_rank not in (None, 0):  # the node's first process says it once
+                raise ReportedElsewhereError(why) from None
+            raise ConfigError(why) from None
         raise
     try:
         auth.handshake(rv.rank, rv.world_size, secret or auth.read_secret_file(run_dir))

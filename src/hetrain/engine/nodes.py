@@ -132,6 +132,8 @@ class Layout:
         out = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(self.world_size),
                "LOCAL_WORLD_SIZE": str(len(self.ranks)), "GROUP_RANK": str(self.node_rank),
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # c10d's C++ warnings: one line is ours
+            out["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         if ifname:
             out["GLOO_SOCKET_IFNAME"] = ifname
             if "NCCL_SOCKET_IFNAME" not in os.environ:  # NCCL's bootstrap, GPU workers
@@ -277,7 +279,8 @@ class Supervisor:
             if rc is None:
                 continue
             self.exits[rank] = _exit_code(rc)
-            if rc != 0 and self.signalled is None and rank != 0:
+            # exit 2 is a user error the rank printed itself (or its node's first rank did)
+            if rc not in (0, 2) and self.signalled is None and rank != 0:
                 self.say(f"rank {rank} exited with code {_exit_code(rc)} (the other ranks go "
                          "on)")
             if rank == 0 and self._live():
