@@ -113,6 +113,22 @@ def rank_kinds(dist_cfg: DistConfig, cluster_devices: Sequence[Device]
     return kinds, names
 
 
+def device_of(rank: int, layout: tuple[int, int], dist_cfg: DistConfig,
+              cluster_devices: Sequence[Device], comm: str | None = None,
+              gpus: GpuInventory | None = None) -> torch.device:
+    """The device of `rank` in a run of these cluster devices (`layout`: its local rank and
+    local world size), checked against dist.backend when the strategy's `comm` is given:
+    NCCL all-reduces GPU tensors, so every worker of an all-reduce strategy must be on one."""
+    kinds, names = rank_kinds(dist_cfg, cluster_devices)
+    device = resolve(rank, *layout, kinds, gpus or GpuInventory.probe(), names)
+    if 1 <= rank <= len(cluster_devices) and dist_cfg.backend == "nccl" \
+            and comm == "allreduce" and device.type != "cuda":
+        raise ConfigError(f"{names[rank]} computes on {device} but dist.backend = 'nccl' "
+                          "needs every worker on a GPU; use gloo for a cluster that mixes "
+                          "GPU and CPU workers")
+    return device
+
+
 def use(device: torch.device) -> None:
     """Make `device` this process's current GPU (NCCL and CUDA's default stream follow it)."""
     if device.type == "cuda":

@@ -284,16 +284,11 @@ def check_devices(cfg: RunConfig, cluster: Cluster, strategy_comm: str, layout: 
     each in one line. Workers on other nodes check theirs at setup (Worker._device)."""
     check_backend(cfg)
     gpus = gpus or devices.GpuInventory.probe()
-    kinds, names = devices.rank_kinds(cfg.dist, cluster.devices)
+    ps = devices.device_of(0, layout, cfg.dist, cluster.devices, gpus=gpus)
     local, local_world = layout
-    ps = devices.resolve(0, local, local_world, kinds, gpus, names)
     for rank in range(1, min(local_world - local, cluster.n + 1)):
-        device = devices.resolve(rank, local + rank, local_world, kinds, gpus, names)
-        if cfg.dist.backend == "nccl" and strategy_comm == "allreduce" \
-                and device.type != "cuda":
-            raise ConfigError(f"{names[rank]} computes on {device} but dist.backend = 'nccl' "
-                              "needs every worker on a GPU; use gloo for a cluster that mixes "
-                              "GPU and CPU workers")
+        devices.device_of(rank, (local + rank, local_world), cfg.dist, cluster.devices,
+                          strategy_comm, gpus)
     return ps
 
 

@@ -159,16 +159,9 @@ class Worker:
 
     def _device(self, cluster: Cluster) -> torch.device:
         """This worker's torch device (hetrain.engine.devices), from the configuration alone."""
-        kinds, names = devices.rank_kinds(self.cfg.dist, cluster.devices)
-        local, local_world = self.layout or (self.rank, len(kinds))
-        device = devices.resolve(self.rank, local, local_world, kinds,
-                                 devices.GpuInventory.probe(), names)
-        if self.cfg.dist.backend == "nccl" and self.comm == "allreduce" \
-                and device.type != "cuda":
-            raise ConfigError(f"{names[self.rank]} computes on {device} but dist.backend = "
-                              "'nccl' needs every worker on a GPU; use gloo for a cluster "
-                              "that mixes GPU and CPU workers")
-        return device
+        world = cluster.n + self.cfg.dist.ps_shards
+        return devices.device_of(self.rank, self.layout or (self.rank, world), self.cfg.dist,
+                                 cluster.devices, self.comm)
 
     def _inject_fault(self) -> None:
         if self.fault is None or self.tasks != self.fault.task:

@@ -112,10 +112,8 @@ def recv_body(length: int, src: int, group: dist.ProcessGroup | None = None) -> 
 
 def recv_obj(src: int, group: dist.ProcessGroup | None = None) -> tuple[Any, int]:
     """Blocking receive of one message from `src`: (object, bytes)."""
-    length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, group=group)
-    n = int(length.item())
-    return recv_body(n, src, group), n + 8
+    obj, nbytes, _, _ = recv_obj_timed(src, group)
+    return obj, nbytes
 
 
 def recv_obj_timed(src: int, group: dist.ProcessGroup | None = None

@@ -199,9 +199,8 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
         on = em["mode"] != "none"
         th = Throttle(cluster.devices[w] if on else None, cluster.ps_link(w) if on else None,
                       setup["flops_per_sample"], em["time_scale"])
-        kinds, names = devices.rank_kinds(cfg.dist, cluster.devices)
-        device = devices.resolve(rv.rank, rv.rank, rv.world_size, kinds,
-                                 devices.GpuInventory.probe(), names)  # checked by rank 0
+        # rank 0 checked this layout (check_devices) before it started the workers
+        device = devices.device_of(rv.rank, rv.layout, cfg.dist, cluster.devices)
         devices.use(device)
         while True:
             msg, nbytes = recv_obj(0)
