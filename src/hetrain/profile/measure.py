@@ -175,8 +175,7 @@ def _step_times_s(wl: Workload, throttle: Throttle, batch_sizes: Sequence[int], 
         opt.zero_grad(set_to_none=True)
         wl.loss_fn(model(x), y).backward()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        devices.sync(device)
 
     for b in batch_sizes:
         for _ in range(2):
