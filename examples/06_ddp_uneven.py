@@ -38,4 +38,5 @@ for epoch in range(1 if args.smoke else 10):
     if dist.get_rank() == 0:
         _, acc = evaluate(model.module, wl.test, wl.loss_fn)
         print(f"epoch {epoch}: test accuracy {acc:.3f}, batches per rank {list(het.sizes)}")
+dist.barrier()  # rank 0 may still evaluate: gloo aborts a rank that tears down under a busy peer
 dist.destroy_process_group()
