@@ -220,3 +220,23 @@ def test_the_ps_cost_no_cluster_file_lists_is_measured_and_priced() -> None:
     unmeasured.setup(_ctx(preset("hetero-4")))
     _timed_rounds(unmeasured, 300, per_member_s=0.05)
     assert unmeasured.goodput_plan.global_batch == start.global_batch
+
+
+def test_a_ps_cost_far_above_the_model_changes_the_plan_at_once() -> None:
+    """Not at the next scheduled check (here an epoch away): a few rounds after it is measured."""
+    s = make_strategy("auto", replan_every_epochs=1.0)
+    s.setup(_ctx(preset("hetero-4")))
+    start = s.goodput_plan
+    _timed_rounds(s, s.MEMBER_ROUNDS + 3, per_member_s=0.05)
+    assert len(s.switches) == 2 and s._samples_seen < 0.05 * s.context.train_samples
+    end = s.goodput_plan
+    assert (end.global_batch * end.local_steps > start.global_batch * start.local_steps
+            or len(end.active) < len(start.active))
+    # the same cost measured on: no further switch until the scheduled check
+    _timed_rounds(s, 30, per_member_s=0.05)
+    assert len(s.switches) == 2
+
+    exact = make_strategy("auto", replan_every_epochs=1.0)
+    exact.setup(_ctx(preset("hetero-4")))
+    _timed_rounds(exact, 40, per_member_s=0.0)
+    assert len(exact.switches) == 1

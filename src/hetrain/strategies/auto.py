@@ -100,6 +100,9 @@ class Auto(CADP):
     """Price the PS's per-member cost from measured round lengths (False: the cluster
     model's only)."""
 
+    MEMBER_ROUNDS = 10
+    """Rounds measured before a grown per-member cost triggers a check."""
+
     goodput_plan: GoodputPlan | None = field(default=None, init=False, repr=False)
     switches: list[tuple[float, int, int]] = field(default_factory=list, init=False, repr=False)
     """(epoch, G, H) of every plan, the first included."""
@@ -154,6 +157,8 @@ class Auto(CADP):
         self.switches = []
         self._round_open_s: float | None = None   # when the round under way was released
         self._measured_member_s: float | None = None
+        self._member_rounds = 0                    # rounds folded into the measured cost
+        self._checked_member_s = self._model_costs.member_s  # the cost the last check used
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
         super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
 
@@ -199,6 +204,15 @@ class Auto(CADP):
         per_member = unexplained / len(active)
         w, m = self.ema_weight, self._measured_member_s
         self._measured_member_s = per_member if m is None else (1 - w) * m + w * per_member
+        self._member_rounds += 1
+
+    def _member_cost_grew(self, costs: Costs) -> bool:
+        """The measured per-member cost is over twice what the last check planned with (real
+        processes: milliseconds per PS message that no cluster file lists). Worth a check at
+        once: waiting for the scheduled one spent a fifth of an epoch on many-device rounds
+        of a few samples each that cost more than they added (real_hetero4)."""
+        return (self._member_rounds >= self.MEMBER_ROUNDS
+                and costs.member_s > 2 * self._checked_member_s + 1e-6)
 
     def _adopt(self, plan: GoodputPlan) -> None:
         self.goodput_plan = plan
@@ -217,19 +231,25 @@ class Auto(CADP):
         costs = self._costs()
         current = self.goodput_plan
         assert current is not None
+        scheduled = self._samples_seen >= self._next_check
+        cost_grew = self.plan is not None and self._member_cost_grew(costs)
         if self.plan is None:                       # setup: the searched plan
             self._adopt(current)
-        elif self._samples_seen >= self._next_check or not np.isfinite(
+        elif scheduled or cost_grew or not np.isfinite(
                 [costs.per_sample_s[j] for j in current.active]).all():
-            self._next_check = self._samples_seen + self._check_interval(ctx)
+            if scheduled:
+                self._next_check = self._samples_seen + self._check_interval(ctx)
+            self._checked_member_s = costs.member_s
             now = best_for(costs, stat, current.global_batch, current.local_steps)
             g, k = current.global_batch, self.max_batch_growth
             grid = [b for b in self._grid if g / k <= b <= g * k]
             best = search([costs], stat, grid, self._steps_grid)
             better = now is None or best.goodput > now.goodput * (1 + self.hysteresis)
             candidate = (best.global_batch, best.local_steps) if better else None
-            if now is None or (better and candidate == self._candidate):
-                self._adopt(best)           # the same better plan at two checks in a row
+            # the same better plan at two checks in a row (the noise estimate is noisy), or
+            # at once when measured costs, not the noise, moved
+            if now is None or (better and (candidate == self._candidate or cost_grew)):
+                self._adopt(best)
                 self._candidate = None
             else:
                 self._candidate = candidate
@@ -243,7 +263,7 @@ class Auto(CADP):
         self.plan = Allocation(plan.shares, plan.round_s, plan.round_s,
                                tuple(float(x) for x in plan.shares), (), (), plan.local_steps)
         self._shares = plan.shares
-        self.history.append(self._shares)
+        self._record_shares()
         # a device that sits out this plan starts afresh (reset_optimizer) when it rejoins
         self._trained &= {j for j, x in enumerate(plan.shares) if x > 0}
 

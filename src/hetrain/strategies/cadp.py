@@ -98,7 +98,9 @@ class CADP(Strategy):
 
     plan: Allocation | None = field(default=None, init=False, repr=False)
     history: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
-    """The shares of every plan made (the first at setup, then one per re-plan)."""
+    """The shares of every plan that changed them (the first at setup): one entry per change,
+    not per re-plan, so a long run's strategy state (the server snapshots it after every
+    update) does not grow with its rounds."""
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> ConfigError:
@@ -191,7 +193,11 @@ class CADP(Strategy):
         self.plan = allocate(fixed, self._compute_s + self._ship_s * ships,
                              self.samples_per_round, self._caps, granularity=self.steps)
         self._shares = self.plan.shares
-        self.history.append(self._shares)
+        self._record_shares()
+
+    def _record_shares(self) -> None:
+        if not self.history or self.history[-1] != self._shares:
+            self.history.append(self._shares)
 
     def _observe(self, p: Push) -> None:
         """Fold one push's measured times into the moving averages."""
