@@ -1,5 +1,8 @@
 """The peers, as themselves, on real processes with the same model, data and throttling.
 
+- lone: the cluster's fastest device training by itself, the user's simplest alternative: ONE
+  process, a plain PyTorch loop (SGD step padded to the device's budget), no process group.
+
 - torch DDP: torch.nn.parallel.DistributedDataParallel, gloo, equal batch per rank.
 - torch PostLocalSGD: DDP + post_localSGD_hook + PostLocalSGDOptimizer with
   PeriodicModelAverager (torch.distributed.algorithms model averaging), period H.
@@ -46,7 +49,7 @@ from hetrain.workloads import Workload, evaluate, gather
 @dataclass(frozen=True)
 class PeerRun:
     system: str
-    """"torch_ddp", "torch_postlocalsgd", "deepspeed_zero0", "deepspeed_zero1",
+    """"lone", "torch_ddp", "torch_postlocalsgd", "deepspeed_zero0", "deepspeed_zero1",
     "torchft_localsgd" or "torchft_diloco"."""
     cluster: Cluster
     workload: Workload
@@ -76,9 +79,16 @@ def _padded_hook(pad: _Pad, bucket: dist.GradBucket) -> torch.futures.Future[tor
     return pad.inner(pad.inner_state, bucket)
 
 
+LONE = "lone"
+
+
 def _worker(rank: int, run: PeerRun, port: int, out: Any, lighthouse_addr: str) -> None:
     torch.set_num_threads(1)
     n = run.cluster.n
+    if run.system == LONE:
+        with ExitStack() as stack:
+            _train(rank, run, out, lighthouse_addr, stack)
+        return
     if run.system.startswith("deepspeed"):
         import os
 
@@ -94,6 +104,21 @@ def _worker(rank: int, run: PeerRun, port: int, out: Any, lighthouse_addr: str) 
             _train(rank, run, out, lighthouse_addr, stack)
     finally:
         dist.destroy_process_group()
+
+
+def _build_lone(run: PeerRun) -> tuple[torch.nn.Module, Callable[[Any], None], _Pad]:
+    """One process, no wrapper: the step is padded to its budget before the optimizer steps."""
+    model = run.workload.build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=run.lr, momentum=run.momentum)
+    pad = _Pad(None, None)
+
+    def step(batch: Any) -> None:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        run.workload.loss_fn(model(x), y).backward()
+        sleep_until(pad.deadline_s)
+        opt.step()
+    return model, step, pad
 
 
 def _build_torch(run: PeerRun) -> tuple[torch.nn.Module, Callable[[Any], None], _Pad]:
@@ -142,6 +167,8 @@ def _train(rank: int, run: PeerRun, out: Any, lighthouse_addr: str, stack: ExitS
         peer = real_torchft.TorchftPeer(run, rank, lighthouse_addr, pad)
         stack.callback(peer.close)
         module, step_fn = peer.model, peer.step
+    elif run.system == LONE:
+        module, step_fn, pad = _build_lone(run)
     else:
         module, step_fn, pad = _build_torch(run)
     throttle = Throttle(run.cluster.devices[rank], None, run.flops_per_sample, run.time_scale)
@@ -157,7 +184,8 @@ def _train(rank: int, run: PeerRun, out: Any, lighthouse_addr: str, stack: ExitS
     pos, epoch = 0, 0
     rows, tta_s, paused_s = [], None, 0.0
     flag = torch.zeros(1)
-    dist.barrier()
+    if n > 1:
+        dist.barrier()
     t0 = time.perf_counter()
     for step in range(1, max_steps + 1):
         if pos + per_step > n_train:  # a new epoch: same permutation on every rank
@@ -180,7 +208,8 @@ def _train(rank: int, run: PeerRun, out: Any, lighthouse_addr: str, stack: ExitS
                 if tta_s is None and acc >= run.target_accuracy:
                     tta_s = now
                 flag.fill_(1.0 if tta_s is not None else 0.0)
-            dist.broadcast(flag, 0)
+            if n > 1:
+                dist.broadcast(flag, 0)
             if flag.item() > 0:
                 break
     if rank == 0:

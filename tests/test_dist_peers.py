@@ -54,3 +54,22 @@ def test_peer_trains_over_gloo(system: str) -> None:
                          eval_every_epochs=0.1), timeout_s=240)
     assert r["rows"] and r["final_accuracy"] > 0.2  # chance is 0.1: it learned
     assert r["rows"][-1]["epoch"] == pytest.approx(0.3, abs=0.05)
+
+
+@pytest.mark.timeout(120)
+def test_the_lone_device_is_one_plain_process_padded_to_its_budget() -> None:
+    """The user's simplest alternative: no process group, each step padded to the device's
+    emulated time, so its clock is the fastest device's, not this CPU's."""
+    from real_peers import LONE, PeerRun, run_peer
+
+    from hetrain.engine.emulate import Throttle
+
+    lone = preset("hetero-4").fastest_alone()
+    wl = get_workload("cnn", "mnist1d")
+    fps, ts, epochs = flops_per_sample(wl), 0.5, 0.3
+    r = run_peer(PeerRun(LONE, lone, wl, fps, time_scale=ts, max_epochs=epochs,
+                         eval_every_epochs=0.1), timeout_s=100)
+    steps = int(epochs * len(wl.train) / 32)
+    budget = Throttle(lone.devices[0], None, fps, ts).compute_budget_s(32, 1)
+    assert r["final_accuracy"] > 0.2 and len(r["rows"]) == 3
+    assert r["rows"][-1]["time_s"] >= 0.95 * steps * budget
