@@ -8,6 +8,11 @@ checks that a train_step doing what the default does gives the very same figures
 from __future__ import annotations
 
 import functools
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
 from collections import namedtuple
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from hetrain.api import train
 from hetrain.engine.devices import Mover
@@ -175,6 +180,22 @@ def test_bad_options_are_refused_in_one_line(kwargs, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_dataloader_as_the_dataset_brings_its_collate_fn():
+    """A user's DataLoader: its data set and collate_fn are used; its batch size and shuffling
+    are the plan's (the run is the one the same options without a DataLoader give)."""
+    COLLATE_CALLS[0] = 0
+    model = Mlp()
+    opts = {**QUICK, "max_epochs": 0.3, "train_step": dict_step, "eval_fn": dict_correct}
+    loader = DataLoader(TRAIN, batch_size=128, shuffle=True, collate_fn=counting_collate)
+    r = train(model, loader, test_dataset=TEST, **opts)
+    assert COLLATE_CALLS[0] > len(r.rows)
+    same = train(model, TRAIN, test_dataset=TEST, collate_fn=counting_collate, **opts)
+    assert [row["test_loss"] for row in r.rows] == [row["test_loss"] for row in same.rows]
+    with pytest.raises(ConfigError, match="collate_fn is given twice with different values: "
+                                          "the DataLoader given as dataset says"):
+        train(model, loader, test_dataset=TEST, loader_options={"collate_fn": dict_step}, **opts)
+
+
 def test_dict_items_without_train_step_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="must be an \\(input, target\\) pair"):
         train(Mlp(), TRAIN, test_dataset=TEST, max_epochs=0.1, **QUICK)
@@ -244,3 +265,39 @@ def test_dict_batches_train_on_spawned_processes():
     with torch.no_grad():  # the model read back from the checkpoint is the evaluated one
         correct, counted = dict_correct(r.model, counting_collate(list(TEST)))
     assert r.final_accuracy == pytest.approx(int(correct) / counted, abs=1e-9)
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import hetrain
+    from test_train_step import TEST, TRAIN, Mlp, counting_collate, dict_correct, dict_step
+
+    if __name__ == "__main__":
+        r = hetrain.train(Mlp(), TRAIN, test_dataset=TEST, train_step=dict_step,
+                          eval_fn=dict_correct, collate_fn=counting_collate, num_workers=1,
+                          cluster="homo-4", strategy="local_sgd", engine="dist", batch_size=16,
+                          max_epochs=1.0, optimizer={{"name": "sgd", "lr": 0.1,
+                                                      "momentum": 0.9}},
+                          config={{"dist": {{"emulate": "none"}}}}, seed=3)
+        if r.summary.get("role") != "worker":
+            print("RESULT", r.summary["engine"], r.final_accuracy)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_dataloader_workers_under_torchrun(tmp_path):
+    """Under torchrun the ranks are ordinary processes, so num_workers > 0 is allowed there."""
+    script = tmp_path / "train_dicts.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    # torchrun's ranks share no run directory here, so the run's secret comes from the env
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HETRAIN_SECRET": secrets.token_hex(32)}
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "5", str(script)],
+                       capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT")]
+    engine, acc = line.split()[1:]
+    assert engine == "dist" and float(acc) > 0.8

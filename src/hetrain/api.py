@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
@@ -314,21 +314,46 @@ def _probe_eval_fn(eval_fn: EvalFn, probe: nn.Module, batch: Any) -> None:
         probe.train(was_training)
 
 
-def _loader_options(options: Mapping[str, Any] | None, **explicit: Any) -> LoaderOptions:
-    """loader_options= merged with the explicit collate_fn= / num_workers= / pin_memory=
-    arguments into LoaderOptions; a key given both ways with different values, a key the plan
-    owns (batch_size, shuffle, samplers, drop_last, generator) or an unknown key is refused."""
+def _unwrap_loader(data: Any, what: str) -> tuple[Any, dict[str, Any]]:
+    """A DataLoader given as the data set: its dataset, and the options it was built with that
+    hetrain honours (collate_fn, num_workers, pin_memory, prefetch_factor, worker_init_fn,
+    timeout). Its batch_size, shuffle, sampler and drop_last are the plan's to decide, so they
+    are not used; an iterable-style one is refused (the engines index samples)."""
+    if not isinstance(data, DataLoader):
+        return data, {}
+    if isinstance(data.dataset, IterableDataset):
+        raise ConfigError(f"{what} is a DataLoader over an IterableDataset; hetrain picks sample "
+                          "indices per device, so it needs a map-style Dataset")
+    opts: dict[str, Any] = {"num_workers": data.num_workers}
+    if data.collate_fn is not default_collate:
+        opts["collate_fn"] = data.collate_fn
+    if data.pin_memory:
+        opts["pin_memory"] = True
+    if data.num_workers > 0:
+        opts.update(prefetch_factor=data.prefetch_factor, worker_init_fn=data.worker_init_fn,
+                    timeout=data.timeout)
+    return data.dataset, opts
+
+
+def _loader_options(options: Mapping[str, Any] | None, from_loader: Mapping[str, Any],
+                    **explicit: Any) -> LoaderOptions:
+    """The options of a DataLoader given as the data set, loader_options= and the explicit
+    collate_fn= / num_workers= / pin_memory= arguments merged into LoaderOptions; a key given
+    two ways with different values, a key the plan owns (batch_size, shuffle, samplers,
+    drop_last, generator) or an unknown key is refused."""
     if options is not None and not isinstance(options, Mapping):
         raise ConfigError(f"loader_options must be a dict of DataLoader options, got "
                           f"{type(options).__name__}")
-    opts = dict(options or {})
-    for key, value in explicit.items():
-        if value is None:
-            continue
-        if key in opts and opts[key] is not value and opts[key] != value:
-            raise ConfigError(f"{key} is given twice with different values ({key}={value!r}, "
-                              f"loader_options[{key!r}]={opts[key]!r}); give it once")
-        opts[key] = value
+    opts = dict(from_loader)
+    layers = (("the DataLoader given as dataset", "loader_options", dict(options or {})),
+              ("loader_options (or the DataLoader)", "the argument",
+               {k: v for k, v in explicit.items() if v is not None}))
+    for before, now, layer in layers:
+        for key, value in layer.items():
+            if key in opts and opts[key] is not value and opts[key] != value:
+                raise ConfigError(f"{key} is given twice with different values: {before} says "
+                                  f"{opts[key]!r}, {now} {key}={value!r}; give it once")
+            opts[key] = value
     if planned := [k for k in _LOADER_PLANNED if k in opts]:
         raise ConfigError(f"loader_options {planned}: the plan decides per-device batch sizes "
                           "and the sample order (batch_size= is the reference batch, the seed "
@@ -453,7 +478,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       so stop on target_loss (target_accuracy is refused).
     - collate_fn, num_workers, pin_memory (or loader_options={...} with those keys and
       prefetch_factor, worker_init_fn, timeout): the DataLoader options honoured when the
-      engines turn planned indices into batches. batch_size, shuffle, sampler, batch_sampler,
+      engines turn planned indices into batches. dataset (and test_dataset) may be a
+      DataLoader: its dataset is trained on and those options of it are taken. batch_size, shuffle, sampler, batch_sampler,
       drop_last and generator are refused: the plan sets each device's batch and the seed the
       order. num_workers > 0 starts DataLoader workers per replica on the sim (shared by the
       replicas) and on the dist engine under torchrun; a spawned dist run (no torchrun) refuses
@@ -467,8 +493,10 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     cfg = config_from_dict(doc)
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
-    loader = _loader_options(loader_options, collate_fn=collate_fn, num_workers=num_workers,
-                             pin_memory=pin_memory)
+    dataset, from_loader = _unwrap_loader(dataset, "dataset")
+    test_dataset, _ = _unwrap_loader(test_dataset, "test_dataset")
+    loader = _loader_options(loader_options, from_loader, collate_fn=collate_fn,
+                             num_workers=num_workers, pin_memory=pin_memory)
     if train_step is not None and eval_fn is None and cfg.stop.target_accuracy > 0:
         raise ConfigError("target_accuracy needs an accuracy, which a train_step run measures "
                           "only with eval_fn=(model, batch) -> (correct, counted); pass eval_fn "
