@@ -13,12 +13,21 @@ the checks of the config reference, docs/config.md) and runs it on the same engi
 every rank makes the same call). Nothing here is a second training loop.
 
 Any map-style Dataset whose items are (input, target) pairs and any nn.Module work:
-`make_workload` wraps them in a `hetrain.workloads.Workload`. Workers need identical fresh
+`make_workload` wraps them in a `hetrain.workloads.Workload`. For any other batch (dicts, several
+inputs, masks) pass `train_step(model, batch) -> loss`, and `eval_fn(model, batch) -> (correct,
+counted)` for an accuracy:
+
+    def step(model, batch):                   # batch = {"x": (B, 64) tensor, "y": (B,) tensor}
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+    def correct(model, batch):
+        return (model(batch["x"]).argmax(-1) == batch["y"]).sum(), len(batch["y"])
+    hetrain.train(model, dict_dataset, train_step=step, eval_fn=correct, collate_fn=None) Workers need identical fresh
 copies of the model, so an instance is snapshotted (deep-copied, on the CPU) at the call and
 copied again for every replica; a zero-argument factory (a class, a functools.partial) is called
 under the run's seed instead. For `engine="dist"` without torchrun the workers are spawned
-processes, so the model, the data set and the loss must be picklable (module-level classes and
-functions; guard the script with `if __name__ == "__main__":`).
+processes, so the model, the data set and the loss (train_step, eval_fn, collate_fn) must be
+picklable (module-level classes and functions; guard the script with `if __name__ ==
+"__main__":`); a lambda or a nested function is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset, IterableDataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
@@ -47,11 +56,22 @@ from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
 from hetrain.runner import run_config
 from hetrain.strategies import Strategy, make_strategy
-from hetrain.workloads import Workload, cross_entropy, sample_bytes_of
+from hetrain.workloads import (
+    LoaderOptions,
+    Workload,
+    cross_entropy,
+    map_tensors,
+    sample_bytes_of,
+    tensor_leaves,
+)
+from hetrain.workloads.base import EvalFn, TrainStep
 
 ModelSpec = nn.Module | Callable[[], nn.Module]
 TASKS = ("classification", "language_model")
 _TORCH_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+_LOADER_HONOURED = ("collate_fn", "num_workers", "pin_memory", "prefetch_factor",
+                    "worker_init_fn", "timeout")
+_LOADER_PLANNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 _SUPPORTED_KWARGS = {"sgd": {"lr", "momentum", "weight_decay", "nesterov"},
                      "adam": {"lr", "weight_decay"}, "adamw": {"lr", "weight_decay"}}
 
@@ -86,6 +106,30 @@ def _first_item(dataset: Any, what: str) -> tuple[Tensor, Tensor]:
     return x, y
 
 
+def _check_map_style(dataset: Any, what: str) -> None:
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__")
+                                                    and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{what} must be a map-style torch Dataset (with __len__ and "
+                          f"__getitem__), got {type(dataset).__name__}; wrap an iterable data "
+                          "set in a list or a Dataset class that indexes it")
+    if len(dataset) == 0:
+        raise ConfigError(f"{what} is empty")
+
+
+def _collate(dataset: Any, n: int, collate: Callable[[list[Any]], Any], what: str) -> Any:
+    """Items 0..n-1 of `dataset` collated as the engines will (the user's collate_fn)."""
+    try:
+        return collate([dataset[i] for i in range(n)])
+    except Exception as e:
+        raise ConfigError(f"collating {n} item(s) of {what} failed: {type(e).__name__}: "
+                          f"{e}") from e
+
+
+def _shapes(batch: Any) -> str:
+    """A batch's structure with tensors shown as their shapes, for error messages."""
+    return repr(map_tensors(lambda t: tuple(t.shape), batch))
+
+
 def _model_factory(model: ModelSpec) -> Callable[[], nn.Module]:
     if isinstance(model, nn.Module):
         # Snapshot now: later changes to the caller's instance must not leak into the run.
@@ -110,7 +154,9 @@ def _split(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Datas
 def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | None = None, *,
                   loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
                   task: str = "classification", name: str | None = None,
-                  test_fraction: float = 0.1, seed: int = 0) -> Workload:
+                  test_fraction: float = 0.1, seed: int = 0,
+                  train_step: TrainStep | None = None, eval_fn: EvalFn | None = None,
+                  loader: LoaderOptions | None = None) -> Workload:
     """Wrap a user's model and map-style data set(s) into a Workload the engines run.
 
     test_dataset None holds out a seeded `test_fraction` of `dataset`. loss_fn(output, target)
@@ -120,10 +166,28 @@ def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | No
     here, so a shape mismatch fails now with the shapes named, not in a worker. The result
     works with every lower-level piece, e.g. hetrain.workloads.flops_per_sample(workload) or
     hetrain.runner.run_config(cfg, workload=workload).
+
+    Batches of any structure: train_step(model, batch) returns the batch's mean loss (a scalar
+    tensor the engine back-propagates; do not call backward or step in it) and replaces
+    loss_fn(model(x), y), so items may be dicts, tuples of several inputs, anything `loader`'s
+    collate_fn (default: torch's default_collate) turns into tensors. With train_step the test
+    loss is train_step's loss on the test set, weighted by samples, and the test accuracy comes
+    only from eval_fn(model, batch) -> (correct, counted) (summed over batches, then divided);
+    without eval_fn a train_step run reports no accuracy (None). eval_fn also replaces the
+    argmax accuracy of the (x, y) path.
     """
     if task not in TASKS:
         raise ConfigError(f"task = {task!r} is not allowed; choose one of: {', '.join(TASKS)}")
+    for what, fn in (("train_step", train_step), ("eval_fn", eval_fn)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{what} must be callable (model, batch) -> ..., got {fn!r}")
+    if train_step is not None and loss_fn is not None:
+        raise ConfigError("give loss_fn or train_step, not both: train_step computes the loss")
+    loader = loader or LoaderOptions()
     build = _model_factory(model)
+    if train_step is not None or loader.collate_fn is not None:
+        return _custom_workload(build, model, dataset, test_dataset, loss_fn, task, name,
+                                test_fraction, seed, train_step, eval_fn, loader)
     x0, y0 = _first_item(dataset, "dataset")
     if test_dataset is None:
         if not 0 < test_fraction < 1:
@@ -156,12 +220,158 @@ def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | No
     # two user models of the same class but different sizes are not confused.
     arch = hashlib.sha1(repr(probe).encode()).hexdigest()[:12]
     model_name = getattr(model, "__name__", None) or type(probe).__name__
+    if eval_fn is not None:
+        _probe_eval_fn(eval_fn, probe, (x, y))
     return Workload(
         name=name or f"{type(dataset).__name__}-{model_name}".lower(), train=dataset,
         test=test_dataset, build_model=build, loss_fn=loss_fn, task=task,  # type: ignore[arg-type]
         num_classes=num_classes, sample_bytes=sample_bytes_of(x0[0], y0[0]),
         input_shape=tuple(x0.shape[1:]), model_options={"architecture": arch},
-        meta={"source": "hetrain.api", "model_class": type(probe).__qualname__})
+        meta={"source": "hetrain.api", "model_class": type(probe).__qualname__},
+        eval_fn=eval_fn, loader=loader)
+
+
+def _custom_workload(build: Callable[[], nn.Module], model: ModelSpec, dataset: Dataset,
+                     test_dataset: Dataset | None, loss_fn: Any, task: str, name: str | None,
+                     test_fraction: float, seed: int, train_step: TrainStep | None,
+                     eval_fn: EvalFn | None, loader: LoaderOptions) -> Workload:
+    """make_workload for a train_step and/or a collate_fn: items may be anything the collate
+    function takes, so the checks run on collated batches instead of on (input, target) items."""
+    _check_map_style(dataset, "dataset")
+    collate = loader.collate_fn or default_collate
+    one = _collate(dataset, 1, collate, "dataset")
+    if test_dataset is None:
+        if not 0 < test_fraction < 1:
+            raise ConfigError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        dataset, test_dataset = _split(dataset, test_fraction, seed)
+    else:
+        _check_map_style(test_dataset, "test_dataset")
+        _collate(test_dataset, 1, collate, "test_dataset")
+    n = min(2, len(dataset))  # type: ignore[arg-type]
+    batch = _collate(dataset, n, collate, "dataset")
+    if not tensor_leaves(one):
+        raise ConfigError(f"a collated batch of dataset holds no tensors ({_shapes(one)}); "
+                          "make __getitem__ return tensors or numbers, or pass collate_fn=")
+    loss_fn = cross_entropy if loss_fn is None else loss_fn
+    with torch.random.fork_rng(devices=[]):  # the probe must not move the caller's RNG
+        probe = build()
+        if not isinstance(probe, nn.Module):
+            raise ConfigError(f"the model factory returned {type(probe).__name__}, not an "
+                              "nn.Module")
+        if not any(p.requires_grad for p in probe.parameters()):
+            raise ConfigError(f"model {type(probe).__name__} has no trainable parameters")
+        what = "train_step" if train_step is not None else "model/loss_fn"
+        try:
+            if train_step is not None:
+                loss = train_step(probe.train(), batch)
+            else:
+                if not (isinstance(batch, tuple | list) and len(batch) == 2
+                        and all(isinstance(t, Tensor) for t in batch)):
+                    raise ConfigError(f"collate_fn must return an (inputs, targets) pair of "
+                                      f"tensors without train_step, got {_shapes(batch)}; or "
+                                      "pass train_step=")
+                out = probe.train()(batch[0])
+                loss = loss_fn(out, batch[1])
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"{what} failed on a batch of {n} samples {_shapes(batch)}: "
+                              f"{type(e).__name__}: {e}") from e
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ConfigError(f"{what} must return a scalar tensor (the mean loss over the "
+                              f"batch), got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise ConfigError(f"{what}'s loss does not depend on the model's parameters; return "
+                              "the loss tensor (not loss.item() or a detached copy)")
+        if eval_fn is not None:
+            _probe_eval_fn(eval_fn, probe, batch)
+    first = tensor_leaves(one)[0]
+    num_classes = 0 if train_step is not None else (int(out.shape[-1]) if out.dim() > 1 else 1)
+    arch = hashlib.sha1(repr(probe).encode()).hexdigest()[:12]
+    model_name = getattr(model, "__name__", None) or type(probe).__name__
+    return Workload(
+        name=name or f"{type(dataset).__name__}-{model_name}".lower(), train=dataset,
+        test=test_dataset, build_model=build, loss_fn=loss_fn, task=task,  # type: ignore[arg-type]
+        num_classes=num_classes, sample_bytes=sample_bytes_of(one),
+        input_shape=tuple(first.shape[1:]), model_options={"architecture": arch},
+        meta={"source": "hetrain.api", "model_class": type(probe).__qualname__},
+        train_step=train_step, eval_fn=eval_fn, loader=loader)
+
+
+def _probe_eval_fn(eval_fn: EvalFn, probe: nn.Module, batch: Any) -> None:
+    """Run eval_fn once on a probe batch so a wrong return shape fails here, named."""
+    was_training = probe.training
+    try:
+        with torch.no_grad():
+            result = eval_fn(probe.eval(), batch)
+        correct, counted = result
+        int(correct), int(counted)
+    except Exception as e:
+        raise ConfigError(f"eval_fn(model, batch) must return (correct, counted) numbers (or "
+                          f"0-d tensors); on a batch {_shapes(batch)} it gave "
+                          f"{type(e).__name__}: {e}") from e
+    finally:
+        probe.train(was_training)
+
+
+def _unwrap_loader(data: Any, what: str) -> tuple[Any, dict[str, Any]]:
+    """A DataLoader given as the data set: its dataset, and the options it was built with that
+    hetrain honours (collate_fn, num_workers, pin_memory, prefetch_factor, worker_init_fn,
+    timeout). Its batch_size, shuffle, sampler and drop_last are the plan's to decide, so they
+    are not used; an iterable-style one is refused (the engines index samples)."""
+    if not isinstance(data, DataLoader):
+        return data, {}
+    if isinstance(data.dataset, IterableDataset):
+        raise ConfigError(f"{what} is a DataLoader over an IterableDataset; hetrain picks sample "
+                          "indices per device, so it needs a map-style Dataset")
+    opts: dict[str, Any] = {"num_workers": data.num_workers}
+    if data.collate_fn is not default_collate:
+        opts["collate_fn"] = data.collate_fn
+    if data.pin_memory:
+        opts["pin_memory"] = True
+    if data.num_workers > 0:
+        opts.update(prefetch_factor=data.prefetch_factor, worker_init_fn=data.worker_init_fn,
+                    timeout=data.timeout)
+    return data.dataset, opts
+
+
+def _loader_options(options: Mapping[str, Any] | None, from_loader: Mapping[str, Any],
+                    **explicit: Any) -> LoaderOptions:
+    """The options of a DataLoader given as the data set, loader_options= and the explicit
+    collate_fn= / num_workers= / pin_memory= arguments merged into LoaderOptions; a key given
+    two ways with different values, a key the plan owns (batch_size, shuffle, samplers,
+    drop_last, generator) or an unknown key is refused."""
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"loader_options must be a dict of DataLoader options, got "
+                          f"{type(options).__name__}")
+    opts = dict(from_loader)
+    layers = (("the DataLoader given as dataset", "loader_options", dict(options or {})),
+              ("loader_options (or the DataLoader)", "the argument",
+               {k: v for k, v in explicit.items() if v is not None}))
+    for before, now, layer in layers:
+        for key, value in layer.items():
+            if key in opts and opts[key] is not value and opts[key] != value:
+                raise ConfigError(f"{key} is given twice with different values: {before} says "
+                                  f"{opts[key]!r}, {now} {key}={value!r}; give it once")
+            opts[key] = value
+    if planned := [k for k in _LOADER_PLANNED if k in opts]:
+        raise ConfigError(f"loader_options {planned}: the plan decides per-device batch sizes "
+                          "and the sample order (batch_size= is the reference batch, the seed "
+                          "orders the samples); remove them")
+    if unknown := sorted(set(opts) - set(_LOADER_HONOURED)):
+        raise ConfigError(f"loader_options: unsupported key(s) {unknown}; supported: "
+                          f"{list(_LOADER_HONOURED)}")
+    workers = opts.get("num_workers", 0)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"num_workers must be an integer >= 0, got {workers!r}")
+    if opts.get("prefetch_factor") is not None and workers == 0:
+        raise ConfigError("prefetch_factor needs num_workers > 0 (as in torch's DataLoader)")
+    if opts.get("pin_memory") not in (None, True, False):
+        raise ConfigError(f"pin_memory must be True or False, got {opts['pin_memory']!r}")
+    for key in ("collate_fn", "worker_init_fn"):
+        if opts.get(key) is not None and not callable(opts[key]):
+            raise ConfigError(f"{key} must be callable, got {opts[key]!r}")
+    return LoaderOptions(**opts)
 
 
 # ---- options ----------------------------------------------------------------------------------
@@ -225,15 +435,19 @@ def _cluster(cluster: str | Path | Cluster | Mapping[str, Any]
 def _printing_progress(name: str) -> ProgressFn:
     def show(fraction: float, row: dict[str, Any] | None) -> None:
         if row is not None:
+            acc = row["test_accuracy"]  # None: a train_step run without eval_fn
             print(f"[{name}] {fraction:4.0%}  t={row['time_s']:8.2f}s  epoch={row['epoch']:5.2f}"
-                  f"  test_loss={row['test_loss']:.4f}  test_acc={row['test_accuracy']:.4f}",
-                  flush=True)
+                  f"  test_loss={row['test_loss']:.4f}"
+                  f"  test_acc={'-' if acc is None else format(acc, '.4f')}", flush=True)
     return show
 
 
 # ---- training ---------------------------------------------------------------------------------
 def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = None,
           loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+          train_step: TrainStep | None = None, eval_fn: EvalFn | None = None,
+          collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int | None = None,
+          pin_memory: bool | None = None, loader_options: Mapping[str, Any] | None = None,
           task: str = "classification", optimizer: Any = None,
           cluster: str | Path | Cluster | Mapping[str, Any] = "hetero-4",
           strategy: str | Mapping[str, Any] | Strategy = "auto", engine: str = "sim",
@@ -258,6 +472,18 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     - progress: True prints a line per evaluation; or a callback (fraction, row | None).
     - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
       "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
+    - train_step(model, batch) -> mean loss tensor, for batches of any structure (dicts,
+      tuples of several inputs); eval_fn(model, batch) -> (correct, counted) for the test
+      accuracy (see make_workload). Without eval_fn a train_step run evaluates its loss only,
+      so stop on target_loss (target_accuracy is refused).
+    - collate_fn, num_workers, pin_memory (or loader_options={...} with those keys and
+      prefetch_factor, worker_init_fn, timeout): the DataLoader options honoured when the
+      engines turn planned indices into batches. dataset (and test_dataset) may be a
+      DataLoader: its dataset is trained on and those options of it are taken. batch_size, shuffle, sampler, batch_sampler,
+      drop_last and generator are refused: the plan sets each device's batch and the seed the
+      order. num_workers > 0 starts DataLoader workers per replica on the sim (shared by the
+      replicas) and on the dist engine under torchrun; a spawned dist run (no torchrun) refuses
+      it, its workers being daemon processes, which cannot have children.
     """
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
                     optimizer=optimizer, batch_size=batch_size, seed=seed, stop=stop,
@@ -267,7 +493,16 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     cfg = config_from_dict(doc)
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
-    workload = make_workload(model, dataset, test_dataset, loss_fn=loss_fn, task=task, seed=seed)
+    dataset, from_loader = _unwrap_loader(dataset, "dataset")
+    test_dataset, _ = _unwrap_loader(test_dataset, "test_dataset")
+    loader = _loader_options(loader_options, from_loader, collate_fn=collate_fn,
+                             num_workers=num_workers, pin_memory=pin_memory)
+    if train_step is not None and eval_fn is None and cfg.stop.target_accuracy > 0:
+        raise ConfigError("target_accuracy needs an accuracy, which a train_step run measures "
+                          "only with eval_fn=(model, batch) -> (correct, counted); pass eval_fn "
+                          "or stop on target_loss")
+    workload = make_workload(model, dataset, test_dataset, loss_fn=loss_fn, task=task, seed=seed,
+                             train_step=train_step, eval_fn=eval_fn, loader=loader)
     cfg = cfg.replace(workload=WorkloadConfig(
         model=f"user:{workload.meta['model_class']}", dataset=f"user:{type(dataset).__name__}"))
     fn = _printing_progress(name) if progress is True else (progress or None)
@@ -321,6 +556,7 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
     """Real processes (see hetrain.engine.dist); the model comes back through the checkpoint
     rank 0 writes when the run stops, so a run directory is needed (a temporary one if none)."""
     if "RANK" not in os.environ:
+        _check_spawnable(workload)
         try:
             pickle.dumps((workload, strategy))
         except Exception as e:
@@ -340,6 +576,30 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
             model.load_state_dict(load_checkpoint(run_dir, strategy.name).model)
     return TrainResult(r.name, r.rows, r.summary, r.run_dir if runs_dir is not None else None,
                        model=model)
+
+
+def _check_spawnable(workload: Workload) -> None:
+    """Refuse, in one line and before any process starts, what a spawned dist run cannot ship
+    or run: a user callable that does not pickle, and DataLoader workers in daemon processes."""
+    callables = (("train_step", workload.train_step), ("eval_fn", workload.eval_fn),
+                 ("collate_fn", workload.loader.collate_fn), ("loss_fn", workload.loss_fn),
+                 ("worker_init_fn", workload.loader.worker_init_fn))
+    for what, fn in callables:
+        if fn is None:
+            continue
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            label = getattr(fn, "__qualname__", None) or repr(fn)
+            raise ConfigError(f"engine='dist' spawns worker processes, which receive {what} by "
+                              f"pickling, and {what}={label} cannot be pickled "
+                              f"({type(e).__name__}); define it with `def` at module level "
+                              "(not a lambda or a nested function)") from e
+    if workload.loader.num_workers > 0:
+        raise ConfigError(f"num_workers={workload.loader.num_workers} cannot be used with "
+                          "engine='dist' in spawned processes (daemon processes cannot start "
+                          "DataLoader workers); use num_workers=0, engine='sim', or launch the "
+                          "ranks with torchrun")
 
 
 # ---- planning for users who keep their own loop -----------------------------------------------

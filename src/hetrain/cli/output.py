@@ -55,7 +55,7 @@ class Output:
             info = ""
             if row is not None:
                 info = (f"t={row['time_s']:.3g}s  ep={row['epoch']:.2f}  "
-                        f"acc={row['test_accuracy']:.3f}  loss={row['test_loss']:.3f}")
+                        f"acc={_acc(row['test_accuracy'])}  loss={row['test_loss']:.3f}")
             bar.update(task, completed=frac, info=info)
 
         try:
@@ -63,3 +63,8 @@ class Output:
         finally:
             if task is not None:
                 bar.stop()
+
+
+def _acc(acc: float | None) -> str:
+    """A row's test accuracy; "-" for a run that measures none (train_step without eval_fn)."""
+    return "-" if acc is None else f"{acc:.3f}"

@@ -23,7 +23,7 @@ from hetrain.engine.precision import LossScaler, autocast
 from hetrain.plan.noise import GradProbe
 from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
 from hetrain.validate import optimizer_class
-from hetrain.workloads import Workload, gather
+from hetrain.workloads import BatchLoader, Workload
 
 
 def flat_params(model: nn.Module) -> Tensor:
@@ -148,10 +148,14 @@ class Replica:
     the host."""
 
     def __init__(self, workload: Workload, model: nn.Module, opt_cfg: OptimizerConfig,
-                 device: torch.device | None = None, precision: str = "fp32") -> None:
+                 device: torch.device | None = None, precision: str = "fp32",
+                 loader: BatchLoader | None = None) -> None:
         self.workload = workload
         self.device = device or torch.device("cpu")
-        self.mover = Mover(self.device)
+        self.mover = Mover(self.device, workload.loader.pin_memory is not False)
+        self.loader = loader or BatchLoader(workload.train, workload.loader)
+        """Turns the task's planned indices into batches (the simulator shares one loader
+        among its replicas: they run one at a time in one process)."""
         self.model = model.to(self.device)
         self.base_lr = opt_cfg.lr
         self.optimizer = build_optimizer(opt_cfg, self.model.parameters())
@@ -165,10 +169,10 @@ class Replica:
             for mine, theirs in zip(float_buffers(self.model), buffers, strict=True):
                 mine.copy_(theirs)
 
-    def _loss(self, idx: Tensor) -> Tensor:
-        x, y = self.mover.batch(*gather(self.workload.train, idx))
+    def _loss(self, batch: Any) -> Tensor:
+        batch = self.mover.batch(batch)
         with autocast(self.precision, self.device):
-            return self.workload.loss_fn(self.model(x), y)
+            return self.workload.loss(self.model, batch)
 
     def run(self, task: WorkTask, update: Update, batches: list[Tensor]) -> TaskResult:
         """Run one task on the given index batches (one per local step)."""
@@ -177,14 +181,18 @@ class Replica:
         losses = []
         probe = None
         params = list(self.model.parameters())
+        probing = task.probe_noise and len(batches[0]) >= 2 if batches else False
+        # What to load, in order: the noise probe splits the first step's batch in halves.
+        fetch = [*_halves(batches[0]), *batches[1:]] if probing else list(batches)
+        loaded = self.loader.batches(fetch)
         if update == "gradient":
             self.model.zero_grad(set_to_none=True)
             for k, idx in enumerate(batches):
-                if k == 0 and task.probe_noise and len(idx) >= 2:
-                    loss_value, probe = self._probe_backward(idx, 1.0 / len(batches))
+                if k == 0 and probing:
+                    loss_value, probe = self._probe_backward(loaded, idx, 1.0 / len(batches))
                     losses.append(loss_value)
                     continue
-                loss = self._loss(idx)
+                loss = self._loss(next(loaded))
                 self.scaler.scaled(loss / len(batches)).backward()
                 losses.append(loss.item())
             finite = self.scaler.unscale(params)
@@ -197,10 +205,10 @@ class Replica:
                 group["lr"] = self.base_lr * task.lr_scale
             for k, idx in enumerate(batches):
                 self.optimizer.zero_grad(set_to_none=True)
-                if k == 0 and task.probe_noise and len(idx) >= 2:
-                    loss_value, probe = self._probe_backward(idx, 1.0)
+                if k == 0 and probing:
+                    loss_value, probe = self._probe_backward(loaded, idx, 1.0)
                 else:
-                    loss = self._loss(idx)
+                    loss = self._loss(next(loaded))
                     self.scaler.scaled(loss).backward()
                     loss_value = loss.item()
                 if self.scaler.unscale(params):  # fp16: a step with overflowed grads is skipped
@@ -214,20 +222,22 @@ class Replica:
                           float(np.mean(losses)), sum(len(b) for b in batches), len(batches),
                           probe)
 
-    def _probe_backward(self, idx: Tensor, scale: float) -> tuple[float, GradProbe | None]:
-        """Back-propagate the batch `idx` as two halves, one at a time, leaving `scale` times
-        the whole batch's mean gradient in .grad (added to what is there, in the loss scale's
-        units), and measure the squared norms of the halves' and the whole batch's gradients
-        (hetrain.plan.noise); no probe when fp16 gradients overflowed."""
+    def _probe_backward(self, loaded: Iterator[Any], idx: Tensor,
+                        scale: float) -> tuple[float, GradProbe | None]:
+        """Back-propagate the batch `idx` as two halves (the next two batches of `loaded`),
+        one at a time, leaving `scale` times the whole batch's mean gradient in .grad (added
+        to what is there, in the loss scale's units), and measure the squared norms of the
+        halves' and the whole batch's gradients (hetrain.plan.noise); no probe when fp16
+        gradients overflowed."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         before = [p.grad.detach().clone() if p.grad is not None else None for p in params]
-        halves = (idx[:len(idx) // 2], idx[len(idx) // 2:])
+        halves = _halves(idx)
         grads, loss_sum = [], 0.0
         loss_scale = self.scaler.scale
         for half in halves:
             for p in params:
                 p.grad = None
-            loss = self._loss(half)
+            loss = self._loss(next(loaded))
             self.scaler.scaled(loss).backward()
             loss_sum += loss.item() * len(half)
             grads.append([p.grad.detach() / loss_scale if p.grad is not None
@@ -242,6 +252,10 @@ class Replica:
                 p.grad = g if old is None else old + g
         probe = GradProbe(small, 0.5 * n, big, n)
         return loss_sum / n, probe if math.isfinite(small) and math.isfinite(big) else None
+
+
+def _halves(idx: Tensor) -> tuple[Tensor, Tensor]:
+    return idx[:len(idx) // 2], idx[len(idx) // 2:]
 
 
 class Server:

@@ -27,6 +27,7 @@ from torch import Tensor
 from hetrain.cluster import Device
 from hetrain.config import DistConfig
 from hetrain.errors import ConfigError
+from hetrain.workloads.base import map_tensors
 
 HOW_TO_FIX = ("set [dist] device (or a device's torch_device in the cluster file) to 'cpu' or "
               "'auto'")
@@ -146,8 +147,10 @@ class Mover:
     staging buffer (reused while the size fits) and are copied without blocking the host;
     results come back to plain host memory, ready for the wire."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pin_memory: bool = True) -> None:
         self.device = device
+        self.pin_memory = pin_memory
+        """Pin batches before the copy (a DataLoader's pin_memory; off saves host memory)."""
         self._pinned: Tensor | None = None
 
     @property
@@ -167,12 +170,14 @@ class Mover:
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
 
-    def batch(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """A batch of inputs and targets on the device (pinned first, then non-blocking)."""
+    def batch(self, batch: Any) -> Any:
+        """A batch (tensors nested in tuples, lists, dicts) on the device, the same structure:
+        pinned first and copied without blocking, or copied plainly when pin_memory is off."""
         if not self.on_gpu:
-            return x, y
-        return (x.pin_memory().to(self.device, non_blocking=True),
-                y.pin_memory().to(self.device, non_blocking=True))
+            return batch
+        if not self.pin_memory:
+            return map_tensors(lambda t: t.to(self.device), batch)
+        return map_tensors(lambda t: t.pin_memory().to(self.device, non_blocking=True), batch)
 
     def to_host(self, t: Tensor) -> Tensor:
         return t if t.device.type == "cpu" else t.to("cpu")

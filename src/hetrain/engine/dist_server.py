@@ -57,7 +57,7 @@ from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push
-from hetrain.workloads import evaluate
+from hetrain.workloads import BatchLoader, evaluate_workload
 
 log = logging.getLogger("hetrain.dist")
 
@@ -80,6 +80,7 @@ class Coordinator:
         torch.manual_seed(self.cfg.train.seed)
         self.device = ps_device or torch.device("cpu")
         """Where the global model lives, is updated and evaluated (dist.ps_device)."""
+        self._test_loader: BatchLoader | None = None
         model = prep.workload.build_model().to(self.device)
         params = list(model.parameters())
         self.block_params = [params[a:b] for a, b in partition(
@@ -368,7 +369,9 @@ class Coordinator:
         elif self.server.version > 0:
             self._gather_shards()
         wl = self.p.workload
-        loss, acc = evaluate(self.server.model, wl.test, wl.loss_fn)
+        if self._test_loader is None:  # kept: DataLoader workers (if any) persist across evals
+            self._test_loader = BatchLoader(wl.test, wl.loader)
+        loss, acc = evaluate_workload(self.server.model, wl, self._test_loader)
         train_loss = (sum(self.recent_losses) / len(self.recent_losses)
                       if self.recent_losses else None)
         self.recent_losses = []

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hetrain.cluster import Cluster, Device, Link
-from hetrain.workloads import Workload, gather
+from hetrain.workloads import Workload
 
 EMULATE_MODES = ("none", "cluster", "relative")
 """none: run at the machine's speed; cluster: budgets from the Cluster's devices and links;
@@ -99,9 +99,9 @@ def solo_step_time(workload: Workload, batch_size: int, steps: int = 20) -> floa
     times = []
     for k in range(steps + 3):
         t = time.perf_counter()
-        x, y = gather(workload.train, idx)
+        batch = workload.batch(idx)
         opt.zero_grad(set_to_none=True)
-        workload.loss_fn(model(x), y).backward()
+        workload.loss(model, batch).backward()
         opt.step()
         if k >= 3:
             times.append(time.perf_counter() - t)

@@ -27,7 +27,7 @@ from hetrain.engine.setup import Prepared
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push, WorkTask
-from hetrain.workloads import evaluate
+from hetrain.workloads import BatchLoader, evaluate_workload
 
 PUSH_START, PUSH_ARRIVE, COLLECTIVE_DONE = 0, 1, 2
 ProgressFn = Callable[[float, dict[str, Any] | None], None]
@@ -69,8 +69,13 @@ class Simulator:
                              self.strategy.outer())
         init = self.server.params()
         self.replicas = []
+        # One loader per data set: the replicas run one task at a time in this process, so
+        # DataLoader workers (loader num_workers) are shared rather than started per replica.
+        self.train_loader = BatchLoader(wl.train, wl.loader)
+        self.test_loader = BatchLoader(wl.test, wl.loader)
         for _ in range(cluster.n):
-            rep = Replica(wl, wl.build_model(), cfg.optimizer, precision=cfg.train.precision)
+            rep = Replica(wl, wl.build_model(), cfg.optimizer, precision=cfg.train.precision,
+                          loader=self.train_loader)
             rep.load(init, self.server.buffers())
             self.replicas.append(rep)
         self.feedback = [ErrorFeedback(prep.compressor) for _ in range(cluster.n)]
@@ -224,7 +229,7 @@ class Simulator:
 
     def _evaluate(self, t: float) -> None:
         wl = self.p.workload
-        loss, acc = evaluate(self.server.model, wl.test, wl.loss_fn)
+        loss, acc = evaluate_workload(self.server.model, wl, self.test_loader)
         train_loss = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses \
             else None
         self.recent_losses = []
@@ -243,6 +248,13 @@ class Simulator:
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:
+            self.train_loader.close()
+            self.test_loader.close()
+
+    def _run(self) -> RunResult:
         self._evaluate(0.0)
         for w in range(self.p.cluster.n):
             self._release(w, 0.0)

@@ -48,7 +48,7 @@ from hetrain.engine.emulate import Throttle, sleep_until
 from hetrain.engine.wire import free_port, recv_obj, send_obj
 from hetrain.errors import ConfigError
 from hetrain.profile.profile import Profile, worker_profiles
-from hetrain.workloads import Workload, flops_per_sample, gather
+from hetrain.workloads import Workload, flops_per_sample, map_tensors
 
 FAST = Link(1e15, 0.0)
 
@@ -170,10 +170,9 @@ def _step_times_s(wl: Workload, throttle: Throttle, batch_sizes: Sequence[int], 
     n = len(wl.train)  # type: ignore[arg-type]
 
     def step(batch: int) -> None:
-        x, y = gather(wl.train, torch.arange(batch) % n)
-        x, y = x.to(device), y.to(device)
+        data = map_tensors(lambda t: t.to(device), wl.batch(torch.arange(batch) % n))
         opt.zero_grad(set_to_none=True)
-        wl.loss_fn(model(x), y).backward()
+        wl.loss(model, data).backward()
         opt.step()
         devices.sync(device)
 
@@ -362,9 +361,9 @@ def _overhead_worker(rank: int, world: int, port: int, secret: str, cluster: Clu
         ends = [time.perf_counter()]
         for _ in range(steps + 2):
             deadline = time.perf_counter() + th.compute_budget_s(batch, 1)
-            x, y = gather(wl.train, idx)
+            data = wl.batch(idx)
             opt.zero_grad(set_to_none=True)
-            wl.loss_fn(net(x), y).backward()
+            wl.loss(net, data).backward()
             sleep_until(deadline)
             grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
             dist.all_reduce(grads, group=group)

@@ -47,7 +47,9 @@ class RunResult:
 
     @property
     def final_accuracy(self) -> float:
-        return float(self.summary["final_accuracy"])
+        """The last test accuracy (NaN for a run that measures none: train_step, no eval_fn)."""
+        acc = self.summary["final_accuracy"]
+        return float("nan") if acc is None else float(acc)
 
     @property
     def tta_s(self) -> float | None:
@@ -80,7 +82,7 @@ class MetricsLog:
         return self.tta_s is not None
 
     def record(self, *, time_s: float, samples: int, epoch: float, updates: int,
-               test_loss: float, test_accuracy: float, train_loss: float | None,
+               test_loss: float, test_accuracy: float | None, train_loss: float | None,
                bytes_total: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """One evaluation row; `extra` holds the strategy's own figures (Strategy.metrics)."""
         row = {"time_s": time_s, "samples": samples, "epoch": epoch, "updates": updates,
@@ -112,9 +114,9 @@ class MetricsLog:
             writer.writerow({k: ("" if row.get(k) is None else row.get(k))
                              for k in self.csv_fields})
 
-    def _hits_target(self, acc: float, loss: float) -> bool:
+    def _hits_target(self, acc: float | None, loss: float) -> bool:
         if self.target_accuracy > 0:
-            return acc >= self.target_accuracy
+            return acc is not None and acc >= self.target_accuracy
         return self.target_loss > 0 and loss <= self.target_loss
 
     def summarise(self, *, time_s: float, ideal_samples_per_s: float,
@@ -130,7 +132,10 @@ class MetricsLog:
             "epochs": last.get("epoch", 0.0),
             "updates": last.get("updates", 0),
             "final_accuracy": last.get("test_accuracy", 0.0),
-            "best_accuracy": max((r["test_accuracy"] for r in self.rows), default=0.0),
+            "best_accuracy": max((r["test_accuracy"] for r in self.rows
+                                  if r["test_accuracy"] is not None),
+                                 default=None if self.rows and last["test_accuracy"] is None
+                                 else 0.0),
             "final_loss": last.get("test_loss", float("nan")),
             "target_accuracy": self.target_accuracy or None,
             "target_loss": self.target_loss or None,

@@ -22,7 +22,9 @@ def plot_time_to_accuracy(runs: list[RunResult], path: Path) -> Path:
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
     for r in runs:
         t = [row["time_s"] for row in r.rows]
-        ax_acc.plot(t, [row["test_accuracy"] for row in r.rows], marker=".", label=_label(r))
+        acc = [float("nan") if row["test_accuracy"] is None else row["test_accuracy"]
+               for row in r.rows]  # None: a train_step run without eval_fn measures no accuracy
+        ax_acc.plot(t, acc, marker=".", label=_label(r))
         ax_loss.plot(t, [row["test_loss"] for row in r.rows], marker=".", label=_label(r))
     target = next((r.summary.get("target_accuracy") for r in runs
                    if r.summary.get("target_accuracy")), None)

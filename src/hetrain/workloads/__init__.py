@@ -21,12 +21,17 @@ from hetrain.validate import check_options
 from hetrain.workloads import datasets, gpt, images, models, text  # noqa: F401  (registration)
 from hetrain.workloads.base import (
     Batcher,
+    BatchLoader,
+    LoaderOptions,
     Workload,
     correct_count,
     cross_entropy,
     evaluate,
+    evaluate_workload,
     gather,
+    map_tensors,
     sample_bytes_of,
+    tensor_leaves,
 )
 from hetrain.workloads.flops import flops_per_sample, num_params
 from hetrain.workloads.registry import (
@@ -39,9 +44,10 @@ from hetrain.workloads.registry import (
 )
 
 __all__ = [
-    "DATASETS", "MODELS", "MODEL_INPUTS", "Batcher", "Workload", "correct_count", "cross_entropy",
-    "evaluate", "flops_per_sample", "gather", "get_workload", "num_params", "register_dataset",
-    "register_model", "sample_bytes_of",
+    "DATASETS", "MODELS", "MODEL_INPUTS", "BatchLoader", "Batcher", "LoaderOptions", "Workload",
+    "correct_count", "cross_entropy", "evaluate", "evaluate_workload", "flops_per_sample", "gather",
+    "get_workload", "map_tensors", "num_params", "register_dataset", "register_model",
+    "sample_bytes_of", "tensor_leaves",
 ]
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from hetrain.workloads.base import Workload, gather
+from hetrain.workloads.base import Workload
 
 _CACHE: dict[tuple[Any, ...], float] = {}
 
@@ -47,9 +47,9 @@ def flops_per_sample(workload: Workload, batch_size: int = 2) -> float:
     with torch.random.fork_rng(devices=[]):
         model = workload.build_model().train()
         n = min(batch_size, len(workload.train))  # type: ignore[arg-type]
-        x, y = gather(workload.train, torch.arange(n))
+        batch = workload.batch(torch.arange(n))
         with FlopCounterMode(display=False, custom_mapping=_extra_formulas()) as counter:
-            workload.loss_fn(model(x), y).backward()
+            workload.loss(model, batch).backward()
     flops = counter.get_total_flops() / n
     if flops <= 0:
         tokens = workload.input_shape[0] if workload.task == "language_model" else 1
