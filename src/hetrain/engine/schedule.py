@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,13 +61,19 @@ def scheduler_class(name: str) -> type[lr_scheduler.LRScheduler]:
 class LrSchedule:
     """factor(step): optimizer.lr's multiplier at global step `step` (0: before any update).
 
-    Factors are cached as the dummy scheduler steps forward, so increasing steps cost one
-    torch step each and any earlier step is a cache hit. A scheduler with an end (OneCycleLR
-    past total_steps) holds its last factor from then on, where torch would raise."""
+    The dummy scheduler steps forward and the newest `cache` factors are kept, so the
+    increasing steps an engine asks for cost one torch step each, and a recent earlier step
+    (an evaluation row, a task released at an older version) is a cache hit; a step older
+    than the cache is recomputed from scratch. A scheduler with an end (OneCycleLR past
+    total_steps) holds its last factor from then on, where torch would raise."""
 
-    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None,
+                 cache: int = 4096) -> None:
+        if cache < 1:
+            raise ValueError(f"cache must be >= 1, got {cache}")
         self.name = name
         self.options = dict(options or {})
+        self.cache = cache
         self._start()
 
     def _start(self) -> None:
@@ -75,13 +82,17 @@ class LrSchedule:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._scheduler = cls(self._optimizer, **self.options)
-        self._factors = [self._scheduler.get_last_lr()[0]]
+        self._factors: deque[float] = deque([self._scheduler.get_last_lr()[0]],
+                                            maxlen=self.cache)
+        self._last = 0
+        """The step of the newest factor, self._factors[-1]."""
         self._ended = False
 
     def _advance(self) -> None:
         # OneCycleLR defines steps 0..total_steps-1 only (torch extrapolates one step past
         # them, then raises): hold the last defined factor from there on.
-        if len(self._factors) >= getattr(self._scheduler, "total_steps", math.inf):
+        self._last += 1
+        if self._last >= getattr(self._scheduler, "total_steps", math.inf):
             self._ended = True
         if not self._ended:
             self._optimizer.step()  # no gradient: a no-op, but torch warns without it
@@ -89,7 +100,7 @@ class LrSchedule:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self._scheduler.step()
-            except ValueError:  # OneCycleLR: "Tried to step N times..." past total_steps
+            except ValueError:  # a scheduler that refuses to go on
                 self._ended = True
         self._factors.append(self._factors[-1] if self._ended
                              else self._scheduler.get_last_lr()[0])
@@ -97,9 +108,11 @@ class LrSchedule:
     def factor(self, step: int) -> float:
         if step < 0:
             raise ValueError(f"a global step is >= 0, got {step}")
-        while len(self._factors) <= step:
+        if step <= self._last - len(self._factors):  # older than the cache: start over
+            self._start()
+        while self._last < step:
             self._advance()
-        return self._factors[step]
+        return self._factors[step - self._last - 1]
 
     def check(self, steps: int = 2) -> None:
         """ConfigError unless the first `steps` factors are finite and >= 0."""
