@@ -110,7 +110,8 @@ def test_optimizer_forms_agree(optimizer):
                                                     "max_epochs": 0.2})
     assert r.summary["config"]["optimizer"] == {"name": "sgd", "lr": 0.1, "momentum": 0.5,
                                                 "weight_decay": 0.0, "nesterov": False,
-                                                "options": {}, "clip_grad_norm": 0.0}
+                                                "options": {}, "clip_grad_norm": 0.0,
+                                                "scheduler": "", "scheduler_options": {}}
 
 
 def test_any_torch_optimizer_class_is_accepted():
@@ -119,6 +120,29 @@ def test_any_torch_optimizer_class_is_accepted():
                                                                            "alpha": 0.9})})
     opt = r.summary["config"]["optimizer"]
     assert (opt["name"], opt["lr"], opt["options"]) == ("RMSprop", 0.01, {"alpha": 0.9})
+
+
+@pytest.mark.parametrize("scheduler", [
+    {"name": "StepLR", "step_size": 1, "gamma": 0.5},
+    "ExponentialLR",  # gamma from config={"optimizer": {"scheduler_options": ...}}
+])
+def test_scheduler_by_name_or_table(scheduler):
+    config = {} if isinstance(scheduler, dict) else {
+        "optimizer": {"scheduler_options": {"gamma": 0.5}}}
+    r = train(Tiny(), TRAIN, test_dataset=TEST, **{**QUICK, "max_epochs": 0.3,
+                                                    "scheduler": scheduler, "config": config})
+    opt = r.summary["config"]["optimizer"]
+    name = scheduler["name"] if isinstance(scheduler, dict) else scheduler
+    assert opt["scheduler"] == name
+    options = opt["scheduler_options"]
+    for row in r.rows:  # the lr column: torch's schedule at the row's global step
+        o = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=opt["lr"])
+        s = getattr(torch.optim.lr_scheduler, name)(o, **options)
+        for _ in range(row["updates"]):
+            o.step()
+            s.step()
+        assert row["lr"] == pytest.approx(s.get_last_lr()[0], rel=1e-12)
+    assert len({row["lr"] for row in r.rows}) > 1
 
 
 def test_strategy_cluster_and_config_forms(tmp_path):
@@ -228,6 +252,9 @@ class Singles(Dataset):
     (dict(optimizer=(torch.optim.RMSprop, {"alphaa": 0.9})), r"unknown option\(s\) \[.alphaa.\]"),
     (dict(optimizer=(torch.optim.Adam, {"betas": (0.9, 0.99)})), r"\['betas'\]"),
     (dict(optimizer={"name": "lion"}), "optimizer.name"),
+    (dict(scheduler="ReduceLROnPlateau"), "steps on a metric"),
+    (dict(scheduler={"name": "StepLR"}), r"do not fit StepLR.*step_size"),
+    (dict(scheduler={"step_size": 3}), "scheduler must be a torch.optim.lr_scheduler name"),
     (dict(cluster="hetero-3"), "not found; give a TOML file or a preset name"),
     (dict(cluster=4), "cluster must be"),
     (dict(engine="gpu"), "engine = 'gpu'"),

@@ -404,6 +404,21 @@ def _optimizer_table(optimizer: Any) -> dict[str, Any]:
     return {"name": name, **kwargs}
 
 
+def _scheduler_keys(scheduler: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A torch.optim.lr_scheduler name, or {"name": ..., **its options} -> the [optimizer]
+    keys scheduler / scheduler_options (hetrain.validate.check_scheduler checks them). A name,
+    not a scheduler object: the engines rebuild the schedule on every server from it."""
+    if scheduler is None:
+        return {}
+    if isinstance(scheduler, str):
+        return {"scheduler": scheduler}
+    if isinstance(scheduler, Mapping) and "name" in scheduler:
+        options = {k: v for k, v in scheduler.items() if k != "name"}
+        return {"scheduler": scheduler["name"], "scheduler_options": options}
+    raise ConfigError(f"scheduler must be a torch.optim.lr_scheduler name (e.g. 'StepLR') or a "
+                      f"table {{'name': 'StepLR', 'step_size': 100, ...}}, got {scheduler!r}")
+
+
 def _strategy(strategy: str | Mapping[str, Any] | Strategy
               ) -> tuple[dict[str, Any], Strategy | None]:
     """The [strategy] table for the record, and the instance to run if one was given."""
@@ -449,6 +464,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
           collate_fn: Callable[[list[Any]], Any] | None = None, num_workers: int | None = None,
           pin_memory: bool | None = None, loader_options: Mapping[str, Any] | None = None,
           task: str = "classification", optimizer: Any = None,
+          scheduler: str | Mapping[str, Any] | None = None,
           cluster: str | Path | Cluster | Mapping[str, Any] = "hetero-4",
           strategy: str | Mapping[str, Any] | Strategy = "auto", engine: str = "sim",
           batch_size: int = 32, stop: Mapping[str, Any] | None = None,
@@ -460,6 +476,10 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
 
     - optimizer: {"name": "sgd"|"adam"|"adamw", "lr": ..., ...} (the [optimizer] table), or
       torch.optim.SGD / Adam / AdamW as a class, (class, kwargs) or functools.partial.
+    - scheduler: a torch.optim.lr_scheduler by name ("CosineAnnealingLR") or a table
+      {"name": "StepLR", "step_size": 100, "gamma": 0.5}: stepped by the global step (server
+      updates), the same on both engines; lr-valued options (eta_min, max_lr) are factors of
+      the optimizer's lr (optimizer.scheduler in docs/config.md). Rows get an "lr" column.
     - cluster: a preset ("homo-4", "hetero-4", "hetero-8", "geo-16"), a cluster TOML path, a
       table, or a hetrain.Cluster. strategy: a registered name (see hetrain.strategies.REGISTRY,
       user strategies included), a table {"name": ..., **options}, or a Strategy instance;
@@ -486,7 +506,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       it, its workers being daemon processes, which cannot have children.
     """
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
-                    optimizer=optimizer, batch_size=batch_size, seed=seed, stop=stop,
+                    optimizer=optimizer, scheduler=scheduler, batch_size=batch_size, seed=seed, stop=stop,
                     config=config, max_epochs=max_epochs, target_accuracy=target_accuracy,
                     target_loss=target_loss)
     strategy_instance = _strategy(strategy)[1]
@@ -516,7 +536,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
 
 
 def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer: Any,
-              batch_size: int, seed: int, stop: Mapping[str, Any] | None,
+              scheduler: str | Mapping[str, Any] | None = None, batch_size: int, seed: int, stop: Mapping[str, Any] | None,
               config: Mapping[str, Mapping[str, Any]] | None, **stop_keys: Any) -> dict[str, Any]:
     """The run config document train() validates with config_from_dict."""
     extra = {k: dict(v) for k, v in (config or {}).items()}
@@ -530,7 +550,8 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
     doc: dict[str, Any] = {
         "name": name, "cluster": cluster_spec, "engine": engine,
         "strategy": _strategy(strategy)[0],
-        "optimizer": {**_optimizer_table(optimizer), **extra.pop("optimizer", {})},
+        "optimizer": {**_optimizer_table(optimizer), **_scheduler_keys(scheduler),
+                      **extra.pop("optimizer", {})},
         "train": {"batch_size": batch_size, "seed": seed, **extra.pop("train", {})},
         "stop": stop_table, **extra,
     }

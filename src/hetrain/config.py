@@ -18,6 +18,8 @@
     name = "sgd"                         # sgd | adam | adamw
     lr = 0.05
     momentum = 0.9
+    scheduler = "CosineAnnealingLR"      # optional: any torch.optim.lr_scheduler, by global step
+    scheduler_options = { T_max = 2000 }
 
     [train]
     batch_size = 32                      # reference per-worker batch (DDP's per-rank batch)
@@ -83,9 +85,23 @@ class OptimizerConfig:
     clip_grad_norm: float = 0.0
     """Clip the gradient's L2 norm to this before every optimizer step, a worker's local step
     or the server's (torch.nn.utils.clip_grad_norm_); 0: off."""
+    scheduler: str = ""
+    """A torch.optim.lr_scheduler class by name (e.g. StepLR, CosineAnnealingLR, OneCycleLR,
+    LinearLR); empty: a constant lr. It is stepped by the GLOBAL step, the number of server
+    updates applied (the model version), identically on both engines: the workers' lr (delta
+    strategies: optimizer.lr x the strategy's lr scale x the schedule's factor) and the
+    server's (gradient strategies: optimizer.lr x the factor). The server's outer step of
+    delta strategies (DiLoCo-style outer lr) is not scheduled. Schedulers that need a metric
+    (ReduceLROnPlateau) or callables / other schedulers (LambdaLR, MultiplicativeLR,
+    SequentialLR, ChainedScheduler) cannot be used. Evaluation rows get an `lr` column."""
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+    """The scheduler's keyword arguments besides the optimizer, e.g. {step_size = 100, gamma
+    = 0.5} for StepLR (steps are global steps). Learning rates among them (eta_min, max_lr,
+    CyclicLR's base_lr) are FACTORS of optimizer.lr: the schedule runs on a base lr of 1."""
 
     def __post_init__(self) -> None:
         validate.check_optimizer(self.name, self.options)
+        validate.check_scheduler(self.scheduler, self.scheduler_options)
         validate.check_fields("optimizer", self)
 
 

@@ -432,6 +432,51 @@ def check_optimizer(name: Any, options: Any) -> None:
     check_options("optimizer", name, cls, options, skip=1, table="optimizer.options")
 
 
+def _non_finite(value: Any) -> Any:
+    """The first non-finite float inside `value` (nested lists / tables), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    items = value.values() if isinstance(value, Mapping) else (
+        value if isinstance(value, list | tuple) else ())
+    for v in items:
+        if (bad := _non_finite(v)) is not None:
+            return bad
+    return None
+
+
+def check_scheduler(name: Any, options: Any) -> None:
+    """optimizer.scheduler and optimizer.scheduler_options: a torch.optim.lr_scheduler class
+    that the global step alone can drive (hetrain.engine.schedule), and keyword arguments it
+    accepts, checked by building it once on a dummy optimizer and taking its first steps."""
+    if not isinstance(name, str):
+        raise ConfigError(f"optimizer.scheduler must be a string, got {name!r}")
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"optimizer.scheduler_options must be a table of keyword arguments, "
+                          f"got {options!r} ({_kind(options)})")
+    if not name:
+        if options:
+            raise ConfigError("optimizer.scheduler_options are set but optimizer.scheduler is "
+                              "empty; name the torch.optim.lr_scheduler (e.g. \"StepLR\")")
+        return
+    from hetrain.engine.schedule import LrSchedule, scheduler_class
+
+    scheduler_class(name)
+    for key in ("optimizer", "last_epoch"):
+        if key in options:
+            raise ConfigError(f"optimizer.scheduler_options.{key} cannot be set: hetrain steps "
+                              "the scheduler by the global step (the server's update count)")
+    if (bad := _non_finite(dict(options))) is not None:
+        raise ConfigError(f"optimizer.scheduler_options must hold finite numbers, got {bad!r} "
+                          f"in {dict(options)}")
+    try:
+        LrSchedule(name, options).check()
+    except (TypeError, ValueError, KeyError) as e:
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"optimizer.scheduler_options {dict(options)} do not fit {name}: "
+                          f"{msg}; see torch.optim.lr_scheduler.{name} (learning rates such "
+                          "as eta_min or max_lr are factors of optimizer.lr)") from None
+
+
 def check_limits(kind: str, name: str, values: Mapping[str, Any], table: str) -> None:
     """Values already of the right type (e.g. parsed from the command line) against
     OPTION_LIMITS[(kind, name, key)]; `table` names where they came from."""

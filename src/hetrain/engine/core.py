@@ -7,6 +7,7 @@ numbers for the same seed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -20,8 +21,9 @@ from torch import Tensor, nn
 from hetrain.config import OptimizerConfig
 from hetrain.engine.devices import Mover
 from hetrain.engine.precision import LossScaler, autocast
+from hetrain.engine.schedule import LrSchedule, make_schedule
 from hetrain.plan.noise import GradProbe
-from hetrain.strategies.base import Decision, OuterOptimizer, Update, WorkTask
+from hetrain.strategies.base import Decision, OuterOptimizer, Strategy, Update, WorkTask
 from hetrain.validate import optimizer_class
 from hetrain.workloads import BatchLoader, Workload
 
@@ -97,6 +99,22 @@ def take_applied(buffered: dict[int, deque[Buffered]], decision: Decision,
         items.append((weight, update, buffers))
         samples += n
     return items, samples
+
+
+def next_task(strategy: Strategy, worker: int, server: Server) -> WorkTask:
+    """The task `worker` runs next, its lr scale times the schedule's factor at the server's
+    current version: the simulator and the dist Coordinator both ask here, so a schedule gives
+    the same numbers on both engines for the same sequence of updates."""
+    task = strategy.next_task(worker)
+    if server.schedule is None:
+        return task
+    return dataclasses.replace(task, lr_scale=task.lr_scale
+                               * server.schedule.factor(server.version))
+
+
+def schedule_metrics(server: Server) -> dict[str, float]:
+    """The `lr` column of evaluation rows when a schedule is set (none without one)."""
+    return {} if server.schedule is None else {"lr": server.lr()}
 
 
 class DataOwner:
@@ -273,6 +291,11 @@ class Server:
         """The parameters this server updates (a block of them on a sharded PS; the optimizers
         are element-wise, so a block steps exactly as it would inside the whole model)."""
         self.version = 0
+        """The global step: server updates applied so far (what the lr schedule follows)."""
+        self.base_lr = opt_cfg.lr
+        self.schedule: LrSchedule | None = make_schedule(opt_cfg.scheduler,
+                                                         opt_cfg.scheduler_options)
+        self.update = update
         self.clip_grad_norm = opt_cfg.clip_grad_norm if update == "gradient" else 0.0
         if update == "gradient":
             self.optimizer = build_optimizer(opt_cfg, iter(self.owned))
@@ -287,10 +310,21 @@ class Server:
     def buffers(self) -> list[Tensor]:
         return [b.detach().to("cpu", copy=True) for b in float_buffers(self.model)]
 
+    def lr(self) -> float:
+        """optimizer.lr at the current global step (scheduled, before a strategy's scale)."""
+        factor = 1.0 if self.schedule is None else self.schedule.factor(self.version)
+        return self.base_lr * factor
+
     def apply(self, weighted: list[tuple[float, Tensor, list[Tensor]]]) -> None:
-        """One server update from (weight, update, buffers) triples."""
+        """One server update from (weight, update, buffers) triples. Gradient mode with a
+        schedule: the optimizer steps with the lr of this update's global step (the version
+        before it), on every server and PS shard alike; the outer step of delta mode is not
+        scheduled (its lr is the strategy's)."""
         if not weighted:
             return
+        if self.schedule is not None and self.update == "gradient":
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr()
         agg = sum(w * u for w, u, _ in weighted)
         set_flat_grads(self.owned, agg)
         if self.clip_grad_norm > 0:  # gradient strategies: the server's step on the aggregate

@@ -46,7 +46,15 @@ from hetrain.engine.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hetrain.engine.core import Buffered, DataOwner, Server, copy_flat_into, take_applied
+from hetrain.engine.core import (
+    Buffered,
+    DataOwner,
+    Server,
+    copy_flat_into,
+    next_task,
+    schedule_metrics,
+    take_applied,
+)
 from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
@@ -231,7 +239,7 @@ class Coordinator:
 
     # ---- protocol -------------------------------------------------------------------------
     def _release(self, w: int) -> None:
-        task = self.strategy.next_task(w)
+        task = next_task(self.strategy, w, self.server)
         batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
         self.drawn_by[w] += task.samples
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
@@ -380,7 +388,7 @@ class Coordinator:
             epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
             bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
-            extra=self.strategy.metrics())
+            extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
         while self.eval_every_s > 0 and self.next_eval_s <= t:

@@ -22,7 +22,16 @@ from typing import Any
 import torch
 
 from hetrain.compress import Compressed, ErrorFeedback
-from hetrain.engine.core import Buffered, DataOwner, Replica, Server, TaskResult, take_applied
+from hetrain.engine.core import (
+    Buffered,
+    DataOwner,
+    Replica,
+    Server,
+    TaskResult,
+    next_task,
+    schedule_metrics,
+    take_applied,
+)
 from hetrain.engine.setup import Prepared
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -134,7 +143,7 @@ class Simulator:
     # ---- protocol -------------------------------------------------------------------------
     def _release(self, w: int, t: float, collective_s: float = 0.0) -> None:
         """Answer w's pull at time t: send the model and its next task, run the task."""
-        task = self.strategy.next_task(w)
+        task = next_task(self.strategy, w, self.server)
         times = self.log.workers[w]
         times.idle_s += max(0.0, t - collective_s - self.ready_at[w])
         params = self.server.params()
@@ -238,7 +247,7 @@ class Simulator:
             epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
             bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
-            extra=self.strategy.metrics())
+            extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
         while self.eval_every_s > 0 and self.next_eval_s <= t:

@@ -1,0 +1,129 @@
+"""Learning-rate schedules: any torch.optim.lr_scheduler by name, stepped by the global step.
+
+The global step is the server's model version, the number of updates applied so far; it is
+the one clock both engines agree on (the simulator's virtual time and the dist engine's wall
+time differ, and so do the workers' local step counts). `LrSchedule.factor(step)` is the
+multiplier of optimizer.lr after `step` scheduler steps, computed by torch's own scheduler
+on a dummy optimizer whose one parameter has lr 1.0. Using torch's code (not a re-derived
+formula) keeps every scheduler's quirks, e.g. the recursive form of CosineAnnealingLR.
+
+Because the dummy's base lr is 1.0, options that are learning rates (eta_min, max_lr,
+base_lr of CyclicLR) are given as FACTORS of optimizer.lr: eta_min = 0.01 means
+0.01 x optimizer.lr.
+
+Schedulers that cannot be driven by the step count alone are refused (`REFUSED`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.optim import lr_scheduler
+
+from hetrain.errors import ConfigError
+
+REFUSED: dict[str, str] = {
+    "ReduceLROnPlateau": "it steps on a metric (a loss), not on the global step",
+    "LambdaLR": "it needs a Python callable, which a config cannot hold",
+    "MultiplicativeLR": "it needs a Python callable, which a config cannot hold",
+    "SequentialLR": "it composes other scheduler objects, which a config cannot hold",
+    "ChainedScheduler": "it composes other scheduler objects, which a config cannot hold",
+    "LRScheduler": "it is the abstract base class",
+    "_LRScheduler": "it is the abstract base class",
+}
+"""torch schedulers a global-step schedule cannot use, and why."""
+
+
+def scheduler_names() -> list[str]:
+    """The torch.optim.lr_scheduler classes a config may name."""
+    return sorted(n for n, c in vars(lr_scheduler).items()
+                  if isinstance(c, type) and issubclass(c, lr_scheduler.LRScheduler)
+                  and n not in REFUSED)
+
+
+def scheduler_class(name: str) -> type[lr_scheduler.LRScheduler]:
+    """The class `name` names, or a ConfigError saying why not and what may be named."""
+    if name in REFUSED:
+        raise ConfigError(f"optimizer.scheduler = {name!r} cannot be used: {REFUSED[name]}; "
+                          f"choose one of: {', '.join(scheduler_names())}")
+    if name not in scheduler_names():
+        raise ConfigError(f"optimizer.scheduler = {name!r} is not a torch.optim.lr_scheduler "
+                          f"scheduler; choose one of: {', '.join(scheduler_names())} "
+                          "(or leave it empty for a constant lr)")
+    return getattr(lr_scheduler, name)
+
+
+class LrSchedule:
+    """factor(step): optimizer.lr's multiplier at global step `step` (0: before any update).
+
+    The dummy scheduler steps forward and the newest `cache` factors are kept, so the
+    increasing steps an engine asks for cost one torch step each, and a recent earlier step
+    (an evaluation row, a task released at an older version) is a cache hit; a step older
+    than the cache is recomputed from scratch. A scheduler with an end (OneCycleLR past
+    total_steps) holds its last factor from then on, where torch would raise."""
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None,
+                 cache: int = 4096) -> None:
+        if cache < 1:
+            raise ValueError(f"cache must be >= 1, got {cache}")
+        self.name = name
+        self.options = dict(options or {})
+        self.cache = cache
+        self._start()
+
+    def _start(self) -> None:
+        cls = scheduler_class(self.name)
+        self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._scheduler = cls(self._optimizer, **self.options)
+        self._factors: deque[float] = deque([self._scheduler.get_last_lr()[0]],
+                                            maxlen=self.cache)
+        self._last = 0
+        """The step of the newest factor, self._factors[-1]."""
+        self._ended = False
+
+    def _advance(self) -> None:
+        # OneCycleLR defines steps 0..total_steps-1 only (torch extrapolates one step past
+        # them, then raises): hold the last defined factor from there on.
+        self._last += 1
+        if self._last >= getattr(self._scheduler, "total_steps", math.inf):
+            self._ended = True
+        if not self._ended:
+            self._optimizer.step()  # no gradient: a no-op, but torch warns without it
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self._scheduler.step()
+            except ValueError:  # a scheduler that refuses to go on
+                self._ended = True
+        self._factors.append(self._factors[-1] if self._ended
+                             else self._scheduler.get_last_lr()[0])
+
+    def factor(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"a global step is >= 0, got {step}")
+        if step <= self._last - len(self._factors):  # older than the cache: start over
+            self._start()
+        while self._last < step:
+            self._advance()
+        return self._factors[step - self._last - 1]
+
+    def check(self, steps: int = 2) -> None:
+        """ConfigError unless the first `steps` factors are finite and >= 0."""
+        for k in range(steps + 1):
+            f = self.factor(k)
+            if not (math.isfinite(f) and f >= 0):
+                raise ConfigError(f"optimizer.scheduler {self.name} with "
+                                  f"scheduler_options {self.options} gives lr factor {f} at "
+                                  f"step {k}; a factor must be finite and >= 0")
+
+
+def make_schedule(name: str, options: Mapping[str, Any] | None = None) -> LrSchedule | None:
+    """The schedule of optimizer.scheduler / scheduler_options; None for "" (constant lr)."""
+    return LrSchedule(name, options) if name else None

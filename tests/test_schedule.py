@@ -1,0 +1,269 @@
+"""Learning-rate schedulers stepped by the global step (optimizer.scheduler), on both engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hetrain.config import OptimizerConfig, RunConfig, config_from_dict
+from hetrain.engine.core import Server, next_task, schedule_metrics
+from hetrain.engine.schedule import LrSchedule, scheduler_names
+from hetrain.errors import ConfigError
+from hetrain.runner import run_config
+from hetrain.strategies import OuterOptimizer, WorkTask
+from hetrain.strategies.base import Decision, Push, Strategy
+
+SCHEDULERS: list[tuple[str, dict[str, Any]]] = [
+    ("StepLR", {"step_size": 3, "gamma": 0.5}),
+    ("CosineAnnealingLR", {"T_max": 10, "eta_min": 0.01}),
+    ("OneCycleLR", {"max_lr": 2.0, "total_steps": 20}),
+    ("LinearLR", {"start_factor": 0.1, "total_iters": 5}),
+    ("ExponentialLR", {"gamma": 0.9}),
+    ("MultiStepLR", {"milestones": [2, 5, 9], "gamma": 0.3}),
+    ("CyclicLR", {"base_lr": 0.1, "max_lr": 1.0, "step_size_up": 4}),
+]
+
+
+def torch_factors(name: str, options: dict[str, Any], n: int, lr: float = 1.0) -> list[float]:
+    """get_last_lr() / lr after 0..n-1 steps of torch's own scheduler on a real optimizer."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=lr, momentum=0.9)
+    sched = getattr(torch.optim.lr_scheduler, name)(opt, **options)
+    out = []
+    for _ in range(n):
+        out.append(sched.get_last_lr()[0] / lr)
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sched.step()
+    return out
+
+
+# ---- LrSchedule against torch ---------------------------------------------------------------
+@pytest.mark.parametrize(("name", "options"), SCHEDULERS, ids=[s[0] for s in SCHEDULERS])
+def test_factors_equal_torch_in_order_and_out_of_order(name: str, options: dict) -> None:
+    n = 20
+    expected = torch_factors(name, options, n)
+    assert len(set(expected)) > 1  # the schedule changes the lr in this window
+    assert [LrSchedule(name, options).factor(k) for k in range(n)] == expected
+    order = [7, 3, 15, 0, 19, 2, 2, 11, 18, 1, 19, 17]
+    for cache in (4096, 3, 1):  # small caches: earlier steps are recomputed from scratch
+        sched = LrSchedule(name, options, cache=cache)
+        assert [sched.factor(k) for k in order] == [expected[k] for k in order]
+
+
+def test_onecycle_holds_its_last_factor_past_total_steps() -> None:
+    sched = LrSchedule("OneCycleLR", {"max_lr": 1.0, "total_steps": 5})
+    last = torch_factors("OneCycleLR", {"max_lr": 1.0, "total_steps": 5}, 5)[-1]
+    assert sched.factor(4) == last and sched.factor(50) == last
+
+
+def test_negative_step_is_refused() -> None:
+    with pytest.raises(ValueError):
+        LrSchedule("StepLR", {"step_size": 1}).factor(-1)
+
+
+# ---- config validation ------------------------------------------------------------------------
+def opt(**kw: Any) -> OptimizerConfig:
+    return config_from_dict({"optimizer": kw}).optimizer
+
+
+def test_a_valid_scheduler_loads() -> None:
+    cfg = opt(scheduler="StepLR", scheduler_options={"step_size": 10, "gamma": 0.5})
+    assert cfg.scheduler == "StepLR" and cfg.scheduler_options == {"step_size": 10, "gamma": 0.5}
+    assert "StepLR" in scheduler_names() and "ReduceLROnPlateau" not in scheduler_names()
+
+
+@pytest.mark.parametrize(("table", "match"), [
+    ({"scheduler": "NoSuchLR"}, r"not a torch\.optim\.lr_scheduler.*choose one of:.*StepLR"),
+    ({"scheduler": "ReduceLROnPlateau"}, r"cannot be used: it steps on a metric"),
+    ({"scheduler": "LambdaLR"}, r"cannot be used: it needs a Python callable"),
+    ({"scheduler": "MultiplicativeLR"}, r"cannot be used: it needs a Python callable"),
+    ({"scheduler": "SequentialLR"}, r"cannot be used: it composes other scheduler"),
+    ({"scheduler": "ChainedScheduler"}, r"cannot be used: it composes other scheduler"),
+    ({"scheduler": "LRScheduler"}, r"cannot be used: it is the abstract base"),
+    ({"scheduler": "StepLR"}, r"do not fit StepLR.*step_size"),
+    ({"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "gama": 0.5}},
+     r"do not fit StepLR.*gama"),
+    ({"scheduler": "OneCycleLR", "scheduler_options": {"max_lr": 1.0}},
+     r"do not fit OneCycleLR.*total_steps"),
+    ({"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "gamma": float("nan")}},
+     r"finite numbers.*nan"),
+    ({"scheduler": "MultiStepLR", "scheduler_options": {"milestones": [1, float("inf")]}},
+     r"finite numbers.*inf"),
+    ({"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "gamma": -1.0}},
+     r"factor -1\.0 at step 2.*finite and >= 0"),
+    ({"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "last_epoch": 5}},
+     r"last_epoch cannot be set.*global step"),
+    ({"scheduler_options": {"step_size": 2}}, r"optimizer\.scheduler is empty"),
+    ({"scheduler": 3}, r"optimizer\.scheduler must be"),
+    ({"scheduler": "StepLR", "scheduler_options": 5}, r"must be a table"),
+])
+def test_bad_scheduler_is_a_one_line_config_error(table: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        opt(**table)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_bad_scheduler_with_exit_2(tmp_path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[optimizer]\nscheduler = "ReduceLROnPlateau"\n')
+    p = subprocess.run([sys.executable, "-m", "hetrain", "run", str(path), "--quiet"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ReduceLROnPlateau" in lines[0] and "metric" in lines[0], p.stderr
+
+
+# ---- the shared arithmetic ----------------------------------------------------------------
+STEP = {"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "gamma": 0.5}}
+
+
+def test_gradient_server_steps_with_the_scheduled_lr() -> None:
+    """Plain SGD on a constant gradient: each update moves the weights by lr(step) x g."""
+    cfg = OptimizerConfig(lr=0.1, momentum=0.0, **STEP)
+    model = nn.Linear(3, 1, bias=False)
+    server = Server(model, "gradient", cfg, OuterOptimizer())
+    grad = torch.ones(3)
+    expected = [0.1 * f for f in torch_factors("StepLR", STEP["scheduler_options"], 7)]
+    for k in range(7):
+        before = server.params()
+        assert schedule_metrics(server) == {"lr": pytest.approx(expected[k], rel=1e-12)}
+        server.apply([(1.0, grad, [])])
+        assert server.optimizer.param_groups[0]["lr"] == pytest.approx(expected[k], rel=1e-12)
+        assert torch.allclose(before - server.params(), expected[k] * grad, rtol=1e-6)
+    assert server.version == 7
+
+
+def test_delta_server_outer_step_is_not_scheduled() -> None:
+    cfg = OptimizerConfig(lr=0.1, **STEP)
+    server = Server(nn.Linear(3, 1, bias=False), "delta", cfg, OuterOptimizer(lr=0.7))
+    for _ in range(5):
+        server.apply([(1.0, torch.ones(3), [])])
+        assert server.optimizer.param_groups[0]["lr"] == 0.7
+
+
+class Fixed(Strategy):
+    name = "test_fixed_scale"
+
+    def next_task(self, worker: int) -> WorkTask:
+        return WorkTask(batch_size=4, lr_scale=3.0)
+
+    def on_push(self, push: Push) -> Decision:  # pragma: no cover - not pushed to
+        return Decision()
+
+
+def test_next_task_scales_the_strategys_lr_by_the_factor_at_the_version() -> None:
+    server = Server(nn.Linear(2, 1), "delta", OptimizerConfig(**STEP), OuterOptimizer())
+    factors = torch_factors("StepLR", STEP["scheduler_options"], 6)
+    for v in range(6):
+        server.version = v
+        assert next_task(Fixed(), 0, server).lr_scale == pytest.approx(3.0 * factors[v])
+    plain = Server(nn.Linear(2, 1), "delta", OptimizerConfig(), OuterOptimizer())
+    assert next_task(Fixed(), 0, plain) == WorkTask(batch_size=4, lr_scale=3.0)
+    assert schedule_metrics(plain) == {}
+
+
+# ---- whole runs -------------------------------------------------------------------------------
+PAIR = {"name": "pair", "sites": [{"name": "s", "lan": {"bandwidth_Bps": 1e9},
+                                   "wan": {"bandwidth_Bps": 1e9}}],
+        "devices": [{"name": "slow", "flops": 2e8}, {"name": "fast", "flops": 4e8}]}
+
+
+def make_cfg(strategy: str, engine: str = "sim", epochs: float = 0.1,
+             scheduler: dict[str, Any] | None = None) -> RunConfig:
+    return config_from_dict({
+        "name": f"sched-{strategy}", "engine": engine, "cluster": PAIR,
+        "workload": {"model": "cnn", "dataset": "mnist1d",
+                     "dataset_options": {"num_samples": 4000}},
+        "strategy": {"name": strategy}, "optimizer": {"lr": 0.05, **(scheduler or STEP)},
+        "train": {"batch_size": 32, "eval_every_epochs": 0.02},
+        "stop": {"max_epochs": epochs},
+        "dist": {"time_scale": 0.05, "worker_timeout_s": 20.0, "init_timeout_s": 60.0}})
+
+
+def expected_lr(cfg: RunConfig, updates: int) -> float:
+    o = cfg.optimizer
+    return o.lr * torch_factors(o.scheduler, o.scheduler_options, updates + 1)[updates]
+
+
+def check_lr_column(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
+    assert len({row["updates"] for row in rows}) >= 3, rows
+    for row in rows:
+        assert row["lr"] == pytest.approx(expected_lr(cfg, row["updates"]), rel=1e-12), row
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "cadp"])
+def test_sim_lr_column_follows_torch(strategy: str, tmp_path, mnist1d_cnn_small) -> None:
+    cfg = make_cfg(strategy)
+    r = run_config(cfg, runs_root=tmp_path, workload=mnist1d_cnn_small)
+    check_lr_column(cfg, r.rows)
+    written = [json.loads(line) for line in
+               (tmp_path / cfg.name / "metrics.jsonl").read_text().splitlines()]
+    assert [row["lr"] for row in written] == [row["lr"] for row in r.rows]
+    assert len({row["lr"] for row in r.rows}) > 1
+
+
+def test_without_a_scheduler_there_is_no_lr_column(mnist1d_cnn_small) -> None:
+    cfg = make_cfg("ddp", epochs=0.02)
+    cfg = cfg.replace(optimizer=OptimizerConfig(lr=0.05))
+    r = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small)
+    assert all("lr" not in row for row in r.rows)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "cadp"])
+def test_sim_a_zero_lr_freezes_the_model_after_the_first_update(strategy: str,
+                                                                mnist1d_cnn_small) -> None:
+    """gamma 0 after one step: the first update moves the model, none after it (gradient
+    mode through the server's lr, delta mode through the workers' lr)."""
+    cfg = make_cfg(strategy, scheduler={"scheduler": "StepLR",
+                                        "scheduler_options": {"step_size": 1, "gamma": 0.0}})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    frozen = {row["test_loss"] for row in rows if row["updates"] >= 1}
+    assert rows[-1]["updates"] >= 3 and len(frozen) == 1, rows
+    assert rows[0]["test_loss"] not in frozen
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_dist_lr_column_matches_torch_and_the_simulator(tmp_path, mnist1d_cnn_small) -> None:
+    """ddp over gloo (the workers' own servers step with the scheduled lr) against the same
+    run on the simulator: same updates at every evaluation, same lr, about the same model."""
+    from hetrain.engine.dist import run_distributed
+
+    cfg = make_cfg("ddp", engine="dist", epochs=0.06)
+    d = run_distributed(cfg, run_dir=tmp_path / "d", workload=mnist1d_cnn_small)
+    s = run_config(cfg.replace(engine="sim"), runs_root=None, workload=mnist1d_cnn_small)
+    check_lr_column(cfg, d.rows)
+    assert [(r["updates"], r["lr"]) for r in d.rows] == [(r["updates"], r["lr"])
+                                                         for r in s.rows]
+    assert d.summary["final_accuracy"] == pytest.approx(s.summary["final_accuracy"], abs=2e-3)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("strategy", "shards"), [("cadp", 1), ("asp", 2)])
+def test_dist_ps_strategies_follow_the_schedule(strategy: str, shards: int, tmp_path,
+                                                mnist1d_cnn_small) -> None:
+    """PS strategies over gloo (delta: the workers' lr; gradient, sharded: every shard's
+    server lr): the lr column is torch's at each row's updates, and a zero lr after the first
+    update freezes the model on the dist engine too."""
+    from dataclasses import replace
+
+    from hetrain.engine.dist import run_distributed
+
+    cfg = make_cfg(strategy, engine="dist", epochs=0.06)
+    cfg = cfg.replace(dist=replace(cfg.dist, ps_shards=shards))
+    check_lr_column(cfg, run_distributed(cfg, run_dir=tmp_path / "a",
+                                         workload=mnist1d_cnn_small).rows)
+    frozen = cfg.replace(optimizer=OptimizerConfig(
+        lr=0.05, scheduler="StepLR", scheduler_options={"step_size": 1, "gamma": 0.0}))
+    rows = run_distributed(frozen, run_dir=tmp_path / "b", workload=mnist1d_cnn_small).rows
+    assert len({row["test_loss"] for row in rows if row["updates"] >= 1}) == 1, rows
