@@ -89,11 +89,11 @@ STRATEGY = "cadp"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny data, one epoch (CI)")
+    ap.add_argument("--smoke", action="store_true", help="less data, fewer epochs (CI)")
     ap.add_argument("--engine", default="sim", choices=("sim", "dist"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    n, epochs = (600, 1) if args.smoke else (6000, 5)
+    n, epochs = (3000, 5) if args.smoke else (6000, 5)
     train_set, test_set = Spirals(n, seed=0), Spirals(n // 5, seed=1)
 
     acc = before(train_set, test_set, epochs)

@@ -2,7 +2,7 @@
 
     python examples/03_tiny_gpt.py                      # Python's stdlib sources as the corpus
     python examples/03_tiny_gpt.py --text corpus.txt    # your own text file (or a directory)
-    python examples/03_tiny_gpt.py --smoke              # a few steps (CI)
+    python examples/03_tiny_gpt.py --smoke              # a tiny corpus and model (CI)
 
 The corpus becomes windows of --block characters (input = window, target = the window shifted
 by one). The stopping rule is a loss target (time-to-loss: the language-model analogue of TTA);
@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--chars", type=int, default=300_000, help="read at most this many chars")
     ap.add_argument("--block", type=int, default=64, help="context length")
     ap.add_argument("--epochs", type=float, default=2.0)
-    ap.add_argument("--target-loss", type=float, default=2.0)
+    ap.add_argument("--target-loss", type=float, default=None,
+                    help="stop at this test loss (default 2.0; 3.0 with --smoke)")
     ap.add_argument("--cluster", default="hetero-4")
     ap.add_argument("--strategy", default="cadp")
     ap.add_argument("--engine", default="sim", choices=("sim", "dist"))
@@ -51,6 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     chars, block = (20_000, 16) if args.smoke else (args.chars, args.block)
+    target = args.target_loss if args.target_loss is not None else (3.0 if args.smoke else 2.0)
     train_set, test_set, meta = text(paths=args.text, max_chars=chars, block_size=block)
     model = functools.partial(MODELS["gpt"], (block,), meta["num_classes"],
                               n_layer=1 if args.smoke else 2, n_embd=32 if args.smoke else 64)
@@ -60,12 +62,12 @@ def main() -> None:
         model=model, dataset=train_set, test_dataset=test_set, task="language_model",
         optimizer={"name": "adamw", "lr": 3e-3},
         cluster=args.cluster, strategy=args.strategy, engine=args.engine,
-        batch_size=16, max_epochs=0.2 if args.smoke else args.epochs,
-        target_loss=args.target_loss, name="tiny-gpt", progress=not args.smoke)
+        batch_size=16, max_epochs=5.0 if args.smoke else args.epochs,
+        target_loss=target, name="tiny-gpt", progress=not args.smoke)
     s = r.summary
     print(f"test loss {s['final_loss']:.3f} nats/char, next-char accuracy "
           f"{s['final_accuracy']:.3f}, {s['time_s']:.2f} s ({s['engine']}), time to loss "
-          f"{args.target_loss}: " + (f"{s['tta_s']:.2f} s" if s["tta_s"] is not None else
+          f"{target}: " + (f"{s['tta_s']:.2f} s" if s["tta_s"] is not None else
                                      f"not reached in {s['epochs']:.2f} epochs (more "
                                      "--epochs, or a higher --target-loss)"))
     if r.model is not None:
