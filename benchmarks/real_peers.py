@@ -26,6 +26,7 @@ engines.
 """
 
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
@@ -207,7 +208,8 @@ def _train(rank: int, run: PeerRun, out: Any, lighthouse_addr: str, stack: ExitS
                              "test_accuracy": acc, "test_loss": loss})
                 if tta_s is None and acc >= run.target_accuracy:
                     tta_s = now
-                flag.fill_(1.0 if tta_s is not None else 0.0)
+                # stop at the target, or once diverged (a NaN loss never reaches it)
+                flag.fill_(1.0 if tta_s is not None or not math.isfinite(loss) else 0.0)
             if n > 1:
                 dist.broadcast(flag, 0)
             if flag.item() > 0:
