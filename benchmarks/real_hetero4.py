@@ -62,6 +62,7 @@ PEERS = {"torch_ddp": ("ddp", {}), "torch_postlocalsgd": ("local_sgd", {"local_s
 
 LONE_BATCHES = (8, 16, 32, 64)
 LONE_LR_FACTORS = (0.5, 1.0, 2.0)
+LONE_LR_EXTEND = 3
 BASE_LR = 0.05
 
 
@@ -124,10 +125,12 @@ def tune_lone(args: argparse.Namespace, seeds: list[int], wl: Workload, fps: flo
     """The fastest device alone, tuned as carefully as any system here: batch x lr, each setting
     run for real (the process the report runs) on the selection seeds, for this benchmark's own
     target. The lowest median TTA wins; a setting that misses on any seed (within
-    --tune-max-epochs) ranks after those that never miss."""
-    trials = []
-    for batch, factor in itertools.product(LONE_BATCHES, LONE_LR_FACTORS):
-        lr = BASE_LR * factor
+    --tune-max-epochs) ranks after those that never miss. While the winner's lr is the lowest
+    or highest tried at its batch, the grid goes one factor of 2 further that way (at most
+    LONE_LR_EXTEND times): a winner at the grid's edge may not be the optimum."""
+    trials: list[dict[str, Any]] = []
+
+    def trial(batch: int, lr: float) -> None:
         ttas = []
         for seed in seeds:
             res = run_lone(args, seed, batch, lr, args.tune_max_epochs, wl, fps)
@@ -137,8 +140,20 @@ def tune_lone(args: argparse.Namespace, seeds: list[int], wl: Workload, fps: flo
                        "misses": sum(math.isinf(t) for t in ttas),
                        "median_s": statistics.median(ttas)})
         print(json.dumps(trials[-1]), flush=True)
-    best = min(trials, key=lambda t: (t["misses"] > 0, t["median_s"]))
-    return best["batch"], best["lr"], trials
+
+    def best() -> dict[str, Any]:
+        return min(trials, key=lambda t: (t["misses"] > 0, t["median_s"]))
+
+    for batch, factor in itertools.product(LONE_BATCHES, LONE_LR_FACTORS):
+        trial(batch, BASE_LR * factor)
+    for _ in range(LONE_LR_EXTEND):
+        b = best()
+        tried = sorted(t["lr"] for t in trials if t["batch"] == b["batch"])
+        if b["lr"] not in (tried[0], tried[-1]):
+            break
+        trial(b["batch"], b["lr"] / 2 if b["lr"] == tried[0] else b["lr"] * 2)
+    b = best()
+    return b["batch"], b["lr"], trials
 
 
 def main() -> int:
@@ -181,8 +196,9 @@ def main() -> int:
         args.lone_batch, args.lone_lr, lone_trials = tune_lone(args, select, wl, fps)
         notes.append(f"The lone device tuned for real on seeds {select} for "
                      f"{args.target:.0%}: batch {args.lone_batch}, lr {args.lone_lr:g} (of "
-                     f"batch {LONE_BATCHES} x lr {[BASE_LR * f for f in LONE_LR_FACTORS]}; "
-                     f"trials in the JSON).")
+                     f"batch {LONE_BATCHES} x lr {[BASE_LR * f for f in LONE_LR_FACTORS]}, the lr "
+                     f"grid extended by factors of 2 while the best sat at its edge; "
+                     f"{len(lone_trials)} settings, trials in the JSON).")
     # This machine's real per-message / per-step costs, measured before the runs.
     over = measure_overheads(preset("hetero-4"), wl, 32, args.time_scale)
     print(over, flush=True)
@@ -211,7 +227,7 @@ def main() -> int:
             else:
                 strategy, options = system, {}
                 r = run_config(config(system, {}, seed, args, "dist"),
-                               runs_root=RESULTS / "real_hetero4_runs")
+                               runs_root=RESULTS / f"{args.out}_runs")
                 s = r.summary
                 row = {"tta_s": interpolated_tta(r.rows, args.target),
                        "final_accuracy": s["final_accuracy"],
