@@ -490,8 +490,9 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     - stop: the [stop] table; max_epochs / target_accuracy / target_loss override its keys.
       TTA (summary["tta_s"]) is the first evaluation time at which the target is reached.
     - runs_dir: write runs_dir/<name>/metrics.jsonl and summary.json (None: no files).
-    - tensorboard: also write TensorBoard events to runs_dir/<name>/tensorboard/ (train.
-      tensorboard; needs runs_dir and the tensorboard package, both checked before training).
+    - tensorboard: also write TensorBoard events to runs_dir/<name>/tensorboard/ (the
+      train.tensorboard key); needs runs_dir and the tensorboard package, both checked before
+      training.
     - progress: True prints a line per evaluation; or a callback (fraction, row | None).
     - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
       "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
