@@ -470,7 +470,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
           batch_size: int = 32, stop: Mapping[str, Any] | None = None,
           max_epochs: float | None = None, target_accuracy: float | None = None,
           target_loss: float | None = None, seed: int = 0, name: str = "train",
-          runs_dir: str | Path | None = None, progress: bool | ProgressFn = False,
+          runs_dir: str | Path | None = None, tensorboard: bool = False,
+          progress: bool | ProgressFn = False,
           config: Mapping[str, Mapping[str, Any]] | None = None) -> TrainResult:
     """Train `model` on `dataset` across `cluster` with `strategy`; return metrics and model.
 
@@ -489,6 +490,9 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     - stop: the [stop] table; max_epochs / target_accuracy / target_loss override its keys.
       TTA (summary["tta_s"]) is the first evaluation time at which the target is reached.
     - runs_dir: write runs_dir/<name>/metrics.jsonl and summary.json (None: no files).
+    - tensorboard: also write TensorBoard events to runs_dir/<name>/tensorboard/ (the
+      train.tensorboard key); needs runs_dir and the tensorboard package, both checked before
+      training.
     - progress: True prints a line per evaluation; or a callback (fraction, row | None).
     - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
       "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
@@ -508,9 +512,12 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
                     optimizer=optimizer, scheduler=scheduler, batch_size=batch_size, seed=seed, stop=stop,
                     config=config, max_epochs=max_epochs, target_accuracy=target_accuracy,
-                    target_loss=target_loss)
+                    target_loss=target_loss, tensorboard=tensorboard)
     strategy_instance = _strategy(strategy)[1]
     cfg = config_from_dict(doc)
+    if cfg.train.tensorboard and runs_dir is None:
+        raise ConfigError("tensorboard=True writes runs_dir/<name>/tensorboard/ beside "
+                          "metrics.jsonl: pass runs_dir as well (e.g. runs_dir='runs')")
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
     dataset, from_loader = _unwrap_loader(dataset, "dataset")
@@ -537,7 +544,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
 
 def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer: Any,
               scheduler: str | Mapping[str, Any] | None = None, batch_size: int, seed: int, stop: Mapping[str, Any] | None,
-              config: Mapping[str, Mapping[str, Any]] | None, **stop_keys: Any) -> dict[str, Any]:
+              config: Mapping[str, Mapping[str, Any]] | None, tensorboard: bool = False,
+              **stop_keys: Any) -> dict[str, Any]:
     """The run config document train() validates with config_from_dict."""
     extra = {k: dict(v) for k, v in (config or {}).items()}
     if bad := sorted(set(extra) - {"train", "stop", "optimizer", "dist"}):
@@ -552,7 +560,8 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
         "strategy": _strategy(strategy)[0],
         "optimizer": {**_optimizer_table(optimizer), **_scheduler_keys(scheduler),
                       **extra.pop("optimizer", {})},
-        "train": {"batch_size": batch_size, "seed": seed, **extra.pop("train", {})},
+        "train": {"batch_size": batch_size, "seed": seed, "tensorboard": tensorboard,
+                  **extra.pop("train", {})},
         "stop": stop_table, **extra,
     }
     if not isinstance(batch_size, int) or isinstance(batch_size, bool):

@@ -26,6 +26,7 @@
     seed = 0
     compression = "none"                 # none | fp16 | topk | qsgd (pushes)
     eval_every_epochs = 0.25
+    tensorboard = false                  # also TensorBoard events (pip install tensorboard)
 
     [stop]
     max_epochs = 5
@@ -134,10 +135,18 @@ class TrainConfig:
     precision: str = "fp32"
     """fp32 | bf16 (autocast to bfloat16) | fp16 (autocast to float16 with a dynamic loss
     scale; meant for GPUs); parameters, optimizer state and messages stay fp32."""
+    tensorboard: bool = False
+    """Also write every evaluation row's numeric columns (test_accuracy, test_loss, train_loss,
+    lr, noise_scale, epoch, ...) as TensorBoard scalars to `<runs dir>/<name>/tensorboard/`, at
+    step = the row's updates; view with `tensorboard --logdir runs`. On the dist engine rank 0
+    writes them. Needs the optional tensorboard package (pip install tensorboard), checked
+    when the config is read."""
 
     def __post_init__(self) -> None:
         validate.check_fields("train", self)
         _check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.tensorboard:
+            validate.check_tensorboard()
 
 
 @dataclass(frozen=True)

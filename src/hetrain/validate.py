@@ -536,6 +536,23 @@ def check_device_kind(where: str, kind: Any) -> str:
                       "'cuda:N' or 'auto'")
 
 
+def tensorboard_available() -> bool:
+    """Whether torch's SummaryWriter can be imported: tensorboard is an optional dependency."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_tensorboard() -> None:
+    """train.tensorboard needs the tensorboard package: say so when the config is read, before
+    any data is loaded, rather than at a run's first evaluation row."""
+    if not tensorboard_available():
+        raise ConfigError("train.tensorboard = true needs the tensorboard package: "
+                          "pip install tensorboard")
+
+
 def check_run_name(name: Any) -> str:
     """A run's name is the name of its directory under the runs dir: one path component."""
     if not isinstance(name, str):

@@ -28,7 +28,6 @@ simulator's evaluations take no virtual time either).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pickle
@@ -101,7 +100,8 @@ class Coordinator:
                              self.strategy.outer(), owned=self.block_params[0])
         self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
         self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
-                              run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss)
+                              run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss,
+                              tensorboard=self.cfg.train.tensorboard)
         self.stop_signal = StopSignal()
         self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks, self.stop_signal)
         self.outbox = Outbox()
@@ -156,11 +156,7 @@ class Coordinator:
         self.shard_optimizers = st.shard_optimizers
         self.log.workers = st.workers
         self.log.tta_s, self.log.tta_samples = st.tta
-        for row in st.rows:  # re-write the metrics file the run had so far
-            self.log.rows.append(row)
-        if self.run_dir is not None:
-            with (self.run_dir / "metrics.jsonl").open("w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in st.rows)
+        self.log.restore(st.rows, st.version)  # re-write the metrics files the run had so far
         # Lost workers are not restored: a resumed run starts every worker process afresh.
         log.info("resumed '%s' at update %d, %.2f epochs, %.1f s", self.cfg.name, st.version,
                  self.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
@@ -422,7 +418,14 @@ class Coordinator:
     def run(self) -> RunResult:
         """Train to the stop condition. SIGINT/SIGTERM (`hetrain.engine.signals`) checkpoint
         and stop the workers, then raise RunInterrupted; a run that cannot go on (its barrier
-        lost a worker, or no worker is left) checkpoints and raises WorkerLostError."""
+        lost a worker, or no worker is left) checkpoints and raises WorkerLostError. The
+        TensorBoard events are closed however the run ends."""
+        try:
+            return self._run()
+        finally:
+            self.log.close()
+
+    def _run(self) -> RunResult:
         with self.stop_signal.installed():
             try:
                 self._start()

@@ -98,7 +98,8 @@ class Simulator:
             self.shadow = [init.clone() for _ in range(cluster.n)]
         self.owner = DataOwner(prep.ctx.train_samples, cfg.train.seed)
         self.log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
-                              cfg.stop.target_accuracy, cfg.stop.target_loss)
+                              cfg.stop.target_accuracy, cfg.stop.target_loss,
+                              tensorboard=cfg.train.tensorboard)
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.inflight: dict[int, _InFlight] = {}
@@ -262,6 +263,7 @@ class Simulator:
         finally:
             self.train_loader.close()
             self.test_loader.close()
+            self.log.close()
 
     def _run(self) -> RunResult:
         self._evaluate(0.0)

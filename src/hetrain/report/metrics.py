@@ -1,5 +1,6 @@
 """Run metrics: `runs/<name>/metrics.jsonl` (one row per evaluation; the scalar columns also
-in metrics.csv) and `summary.json`.
+in metrics.csv, and as TensorBoard scalars under tensorboard/ with train.tensorboard) and
+`summary.json`.
 
 Both engines fill a `MetricsLog`; `hetrain report` reads the files back. Time-to-accuracy
 (TTA) is the first evaluation time at which test accuracy reaches the target. Hardware
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetrain.errors import ConfigError
+from hetrain.report.tensorboard_log import TENSORBOARD_DIR, TensorBoardLog
 from hetrain.validate import read_text_file
 
 
@@ -71,12 +73,18 @@ class MetricsLog:
 
     csv_fields: list[str] = field(default_factory=list)
     """The columns of metrics.csv: the first row's scalar fields."""
+    tensorboard: bool = False
+    """Also write every row to TensorBoard events in run_dir/tensorboard (train.tensorboard;
+    nothing without a run_dir). The engine calls `close` when the run ends, however it ends."""
+    tb: TensorBoardLog | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "metrics.jsonl").write_text("")
             (self.run_dir / "metrics.csv").write_text("")
+            if self.tensorboard:
+                self.tb = TensorBoardLog(self.run_dir / TENSORBOARD_DIR)
 
     def target_reached(self) -> bool:
         return self.tta_s is not None
@@ -98,7 +106,29 @@ class MetricsLog:
             with (self.run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             self._write_csv(row)
+        if self.tb is not None:
+            self.tb.write(row)
         return row
+
+    def restore(self, rows: list[dict[str, Any]], updates: int) -> None:
+        """A resumed run's rows so far (from its checkpoint at model version `updates`):
+        metrics.jsonl and metrics.csv are written again with them; the TensorBoard events
+        already hold them, and those its earlier attempt wrote after the checkpoint are
+        hidden (written again as the run redoes those updates)."""
+        self.rows.extend(rows)
+        if self.run_dir is not None:
+            with (self.run_dir / "metrics.jsonl").open("w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+            for row in rows:
+                self._write_csv(row)
+        if self.tb is not None:
+            self.tb.purge_from(updates + 1)
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard events (the JSONL and CSV files are closed after
+        every row)."""
+        if self.tb is not None:
+            self.tb.close()
 
     def _write_csv(self, row: dict[str, Any]) -> None:
         """metrics.csv: the scalar columns of metrics.jsonl (per-worker lists left out), for
