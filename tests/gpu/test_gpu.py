@@ -63,6 +63,22 @@ def test_replica_on_gpu_matches_cpu(mnist1d_cnn_small, no_tf32) -> None:
     assert out["cpu"].loss == pytest.approx(out["cuda"].loss, rel=1e-4)
 
 
+def test_updates_come_back_through_pinned_memory() -> None:
+    """A push's tensors leave the GPU into pinned host blocks, each its own, with the values
+    the device held (the copy is awaited before the bytes are used)."""
+    from hetrain.engine.devices import Mover
+
+    mover = Mover(torch.device("cuda"))
+    on_gpu = [torch.randn(1 << 20, device="cuda") for _ in range(3)]
+    back = [mover.to_host(t) for t in on_gpu]
+    for t, h in zip(on_gpu, back, strict=True):
+        assert h.device.type == "cpu" and h.is_pinned()
+        assert torch.equal(h, t.cpu())
+    assert len({h.data_ptr() for h in back}) == 3
+    plain = Mover(torch.device("cuda"), pin_memory=False).to_host(on_gpu[0])
+    assert not plain.is_pinned() and torch.equal(plain, back[0])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_on_gpu_trains(precision, mnist1d_cnn_small) -> None:
     wl = mnist1d_cnn_small

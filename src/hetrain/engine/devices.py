@@ -11,8 +11,8 @@ the first GPU worker rather than taking one from the workers. The choice is made
 every rank computes the same layout without talking to the others.
 
 The wire (hetrain.engine.codec over gloo) carries CPU tensors: pulls are staged through a
-pinned host buffer and copied to the GPU without blocking; updates come back to the host
-before they are compressed and sent.
+pinned host buffer and copied to the GPU without blocking; updates come back the same way, a
+non-blocking copy into pinned host memory awaited once, before they are compressed and sent.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def sync(device: torch.device) -> None:
 class Mover:
     """Host <-> device copies for one rank. On a GPU, host tensors go through a pinned
     staging buffer (reused while the size fits) and are copied without blocking the host;
-    results come back to plain host memory, ready for the wire."""
+    results come back through pinned host memory, ready for the wire."""
 
     def __init__(self, device: torch.device, pin_memory: bool = True) -> None:
         self.device = device
@@ -180,7 +180,18 @@ class Mover:
         return map_tensors(lambda t: t.pin_memory().to(self.device, non_blocking=True), batch)
 
     def to_host(self, t: Tensor) -> Tensor:
-        return t if t.device.type == "cpu" else t.to("cpu")
+        """A device tensor in host memory for the wire. On a GPU the copy lands in pinned
+        memory (a direct DMA, no bounce through a driver buffer; the caching host allocator
+        reuses the blocks), queued without blocking and awaited once, since the bytes go out
+        next. Each result gets its own block: an update and its buffers are alive together."""
+        if t.device.type == "cpu":
+            return t
+        if not self.pin_memory:
+            return t.to("cpu")
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()
+        return out
 
 
 def host_tree(tree: Any) -> Any:
