@@ -338,6 +338,15 @@ def _e2e_worker(rank, world, port, out_dir):
 
     from hetrain.ddp import HeteroDDP
 
+    errors = []
+    for kw in ({"auto_batch": True}, {"auto_batch": True, "max_global_batch": 6},
+               {"max_global_batch": 48}, {"auto_batch": True, "max_global_batch": 48,
+                                          "rebalance_every": 0}):
+        try:
+            HeteroDDP(global_batch=E2E_BATCH, **kw)
+            errors.append("no error")
+        except ConfigError as e:
+            errors.append(str(e))
     x, y, _ = _regression(E2E["n"], E2E["d"], E2E["noise_std"], E2E["seed"])
     data = TensorDataset(x.float(), y.float(), torch.arange(len(x)))
     het = HeteroDDP(global_batch=E2E_BATCH, auto_batch=True, max_global_batch=E2E_MAX,
@@ -363,7 +372,7 @@ def _e2e_worker(rank, world, port, out_dir):
             steps.append({"global": sum(het._step_sizes), "lr": opt.param_groups[0]["lr"]})
     w = torch.cat([p.detach() for p in model.module.parts]).double()
     torch.save({"history": het.history, "steps": steps, "w": w, "lr_scale": het.lr_scale,
-                "seen": seen, "global_batch": het.global_batch},
+                "seen": seen, "global_batch": het.global_batch, "errors": errors},
                Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -376,6 +385,12 @@ def _scale(G, noise):
 def test_auto_batch_end_to_end(tmp_path):
     _run_ranks(_e2e_worker, 3, (str(tmp_path),), deadline_s=90)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    for r in res:   # the options are checked, with one clear line each
+        missing, small, unused, never = r["errors"]
+        assert "give max_global_batch" in missing
+        assert "min_global_batch <= global_batch <= max_global_batch" in small
+        assert unused == "min_global_batch / max_global_batch need auto_batch=True"
+        assert "rebalance_every must be >= 1" in never
     # every rank took the same decisions at the same steps
     keys = ("step", "new", "global_batch", "lr_scale", "noise_scale")
     for r in res[1:]:

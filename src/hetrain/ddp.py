@@ -28,6 +28,17 @@ for uneven devices:
   Every rank computes the same plan from the same gathered numbers; the sampler uses it for the
   batches it produces from then on and the hook weights each step by the plan of the batch it
   trains on (so DataLoader workers that prefetch are handled).
+* `HeteroDDP(..., auto_batch=True, max_global_batch=M)`: the global batch itself follows the
+  gradient noise scale, as hetrain's `auto` strategy does. The hook also records each rank's
+  |g_r|^2 (before the all-reduce) and |G|^2 (after), summed over buckets; the window's sums
+  ride on the same every-K all-gather and feed hetrain.plan.noise's estimator with the
+  uneven-batch weighting of `ddp_noise_probe`. `choose_global_batch` then picks, by goodput
+  (plan.goodput's efficiency model x the allocator's throughput at the measured speeds and
+  step overhead), a batch between `min_global_batch` (default: global_batch) and M, changing
+  it only at a rebalance, at most 2x at a time, and only when the same batch wins by over
+  10% at two rebalances in a row. The lr follows from the first step on the new batch:
+  `attach(model, optimizer=opt)` multiplies the param groups' lr by AdaScale's gain relative
+  to global_batch (its square root for non-SGD optimizers), at most `max_lr_scale` = 2.
 
 The diff to an existing script (see examples/06_ddp_uneven.py and the README):
 
