@@ -290,7 +290,7 @@ def _estimator_worker(rank, world, port, out_dir):
                 break
         if steps == EST_STEPS:
             break
-    torch.save({"probe": het.history[-1]["probe"], "noise_scale": het.noise.noise_scale,
+    torch.save({"probe": GradProbe(**het.history[-1]["probe"]), "noise_scale": het.noise.noise_scale,
                 "trace": het.noise.trace_cov, "grad_sq": het.noise.grad_sqnorm,
                 "buckets_per_step": het.hook_state.calls / steps},
                Path(out_dir) / f"rank{rank}.pt")

@@ -62,7 +62,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -575,12 +575,17 @@ class HeteroDDP:
         trained batch changes (a ratio, so a chainable lr scheduler's changes are kept; one
         that sets lr from its own base, e.g. LambdaLR, would overwrite it: multiply by
         `het.lr_scale` there instead). lr_rule 'auto': AdaScale's gain for torch.optim.SGD,
-        its square root for any other optimizer (Adam-type)."""
+        its square root for any other optimizer (Adam-type; without an optimizer: the gain)."""
         ddp_model.register_comm_hook(self.hook_state, weighted_allreduce_hook)
         if optimizer is not None:
-            self.optimizer = optimizer
-            if self.lr_rule == "auto":
-                self._lr_exponent = 1.0 if isinstance(optimizer, torch.optim.SGD) else 0.5
+            self.follow_lr(optimizer)
+
+    def follow_lr(self, optimizer: torch.optim.Optimizer) -> None:
+        """The lr part of `attach`, for a script that registers the hook itself (e.g. wrapped
+        in its own hook): auto_batch scales this optimizer's lr."""
+        self.optimizer = optimizer
+        if self.lr_rule == "auto":
+            self._lr_exponent = 1.0 if isinstance(optimizer, torch.optim.SGD) else 0.5
 
     @property
     def batch_size(self) -> int:
@@ -694,7 +699,7 @@ class HeteroDDP:
         probe = ddp_noise_probe([float(x) for x in rows[:, 4]], [float(x) for x in rows[:, 5]],
                                 steps, float(rows[0, 7]), float(rows[0, 8]), steps[0])
         self.noise.observe(probe, weight=1 - (1 - self.noise_ema_weight) ** steps[0])
-        record["probe"] = probe
+        record["probe"] = asdict(probe)   # plain numbers: history stays JSON-serialisable
 
     def _decide_batch(self, per_sample: list[float], rows: torch.Tensor,
                       record: dict[str, Any]) -> None:
