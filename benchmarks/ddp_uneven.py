@@ -8,6 +8,9 @@ the SAME user training loop (DDP, SGD lr 0.05 momentum 0.9, global batch 128, se
   plain   BatchSampler(DistributedSampler(train), 128 // 4): 32 samples per rank, DDP's mean;
   hetero  HeteroDDP(global_batch=128, rebalance_every=K=20) starting from the EVEN split (32
           each): the first K steps are as slow as plain DDP, then the measured times re-plan.
+  auto    (--auto-batch only) hetero with auto_batch=True, max_global_batch=--max-global-batch
+          (1024): the global batch follows the gradient noise scale from 128 and the lr follows
+          (AdaScale, capped at 2x); its samples/s counts the samples it actually trained on.
 Emulated speeds: a rank of speed s pads every step's compute (forward + backward) to the budget
     budget = overhead_s + b * ms_per_sample / s      (hetrain.engine.emulate's budget idea)
 with sleep_until in a comm-hook wrapper (before the gradient all-reduce), so a slow rank delays
@@ -90,7 +93,8 @@ def optimum(speeds, ms_per_sample, overhead_s):
 
 def train(rank: int, world: int, wl, arm: str, seed: int, steps: int, emu: Emu,
           target: float, eval_every: int, slow_from: int | None = None,
-          batch_sizes=None, rebalance_every: int = K) -> dict[str, Any]:
+          batch_sizes=None, rebalance_every: int = K,
+          max_global_batch: int = 1024) -> dict[str, Any]:
     """The user's DDP loop; `arm` only changes the sampler and the gradient hook."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,11 +107,14 @@ def train(rank: int, world: int, wl, arm: str, seed: int, steps: int, emu: Emu,
     model = DDP(wl.build_model())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     het = None
-    if arm == "hetero":
+    if arm in ("hetero", "auto"):
+        auto = {"auto_batch": True, "max_global_batch": max_global_batch} if arm == "auto" \
+            else {}
         het = HeteroDDP(global_batch=GLOBAL_BATCH, seed=seed, rebalance_every=rebalance_every,
-                        batch_sizes=batch_sizes)
+                        batch_sizes=batch_sizes, **auto)
         sampler = het.batch_sampler(wl.train)
         model.register_comm_hook(het.hook_state, padded(emu, weighted_allreduce_hook))
+        het.follow_lr(opt)
         epoch_sampler: Any = sampler
     else:
         dsamp = DistributedSampler(wl.train, shuffle=True, seed=seed, drop_last=True)
@@ -115,7 +122,7 @@ def train(rank: int, world: int, wl, arm: str, seed: int, steps: int, emu: Emu,
         model.register_comm_hook(None, padded(emu, allreduce_hook))
         epoch_sampler = dsamp
     base_speed = emu.speed
-    clock, seg, tta, step, epoch = 0.0, 0.0, None, 0, 0
+    clock, seg, tta, step, epoch, samples = 0.0, 0.0, None, 0, 0, 0
     stamps: list[float] = []
     evals: list[tuple[int, float, float]] = []
     dist.barrier()
@@ -139,6 +146,7 @@ def train(rank: int, world: int, wl, arm: str, seed: int, steps: int, emu: Emu,
                 loss.backward()
                 opt.step()
             step += 1
+            samples += sum(het._step_sizes) if het is not None else GLOBAL_BATCH
             if rank == 0:
                 stamps.append(clock + time.perf_counter() - seg)
             if eval_every and (step % eval_every == 0 or step == steps):
@@ -161,7 +169,7 @@ def train(rank: int, world: int, wl, arm: str, seed: int, steps: int, emu: Emu,
     dist.all_reduce(overruns)
     emu.overruns = 0
     return {"arm": arm, "seed": seed, "steps": steps, "train_s": clock,
-            "samples_per_s": GLOBAL_BATCH * steps / clock, "tta_s": tta, "evals": evals,
+            "samples_per_s": samples / clock, "tta_s": tta, "evals": evals,
             "final_accuracy": evals[-1][2] if evals else None, "stamps": stamps,
             "plans": het.history if het is not None else None,
             "final_plan": list(het.sizes) if het is not None else [GLOBAL_BATCH // world] * world,
@@ -177,8 +185,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, wl,
     emu = Emu(SPEEDS[rank], args.ms_per_sample, args.overhead_ms * 1e-3)
     runs = []
     for seed in args.seeds:
-        for arm in ("plain", "hetero"):
-            r = train(rank, world, wl, arm, seed, args.steps, emu, args.target, args.eval_every)
+        for arm in ("plain", "hetero") + (("auto",) if args.auto_batch else ()):
+            r = train(rank, world, wl, arm, seed, args.steps, emu, args.target, args.eval_every,
+                      max_global_batch=args.max_global_batch)
             runs.append(r)
             if rank == 0:
                 print(f"seed {seed} {arm:6s}: {r['samples_per_s']:7.0f} samples/s, TTA "
@@ -243,6 +252,12 @@ def summarize(args: argparse.Namespace, raw: dict[str, Any], wall_s: float) -> d
         "tta_ratio": med(tta) if len(tta) == len(per_seed) else None,
         "per_seed": per_seed, "wall_s": wall_s,
     }
+    autos = [r for r in raw["runs"] if r["arm"] == "auto"]
+    if autos:
+        out["auto"] = [{k: r[k] for k in ("seed", "samples_per_s", "tta_s", "final_accuracy",
+                                          "train_s", "overruns", "final_plan")}
+                       | {"batches": [(x["step"], x.get("global_batch"), x.get("lr_scale"))
+                                      for x in r["plans"]]} for r in autos]
     if raw["slow"]:
         run, oracle = raw["slow"]["run"], raw["slow"]["oracle"]
         k0 = 10 * K
@@ -301,6 +316,14 @@ def write_md(res: dict[str, Any], path: Path) -> None:
                  f"{'-' if s['tta_ratio'] is None else round(s['tta_ratio'], 2)} | "
                  f"{p['final_accuracy']:.3f} / {h['final_accuracy']:.3f} | {h['final_plan']} | "
                  f"{p['overruns']} / {h['overruns']} |")
+    if "auto" in res:
+        L += ["", "## auto_batch arm (the global batch follows the gradient noise scale)", "",
+              "| seed | samples/s | TTA s | final acc | final plan | (step, global batch, lr "
+              "scale) at the last rebalance |", "|---|---|---|---|---|---|"]
+        for a in res["auto"]:
+            last = a["batches"][-1] if a["batches"] else None
+            L.append(f"| {a['seed']} | {a['samples_per_s']:.0f} | {a['tta_s']} | "
+                     f"{a['final_accuracy']:.3f} | {a['final_plan']} | {last} |")
     if "slowdown" in res:
         d = res["slowdown"]
         L += ["", f"## Rank 3 becomes 2x slower from step {d['from_step']}", "",
@@ -331,6 +354,10 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--auto-batch", action="store_true",
+                    help="also run HeteroDDP(auto_batch=True): the global batch follows the "
+                         "gradient noise scale")
+    ap.add_argument("--max-global-batch", type=int, default=1024)
     args = ap.parse_args()
     import torch.multiprocessing as mp
 

@@ -40,8 +40,9 @@ class GradProbe:
     """b: samples per half (the mean of the two halves' sizes)."""
     big_sqnorm: float
     """|g_B|^2 of the whole batch (the halves' sample-weighted mean gradient)."""
-    big_batch: int
-    """B: samples in the whole batch."""
+    big_batch: float
+    """B: samples in the whole batch (hetrain.ddp: a harmonic mean over the steps it
+    averages, an integer unless the global batch changed within them)."""
 
     def estimates(self) -> tuple[float, float]:
         """The unbiased (|G|^2, tr(Sigma)) of this probe alone (either may be negative)."""
@@ -63,13 +64,17 @@ class GradientNoiseScale:
         self._decay = 1.0      # (1 - w)^t: what the zero start still weighs
         self.probes = 0
 
-    def observe(self, probe: GradProbe) -> None:
+    def observe(self, probe: GradProbe, weight: float | None = None) -> None:
+        """Fold one probe into the averages with `weight` (default: ema_weight); a probe that
+        averages k steps may weigh 1 - (1 - w)^k, as k probes of weight w would together."""
         if probe.big_batch < 2 or not 0 < probe.small_batch < probe.big_batch:
             return
         grad_sq, trace = probe.estimates()
         if not (math.isfinite(grad_sq) and math.isfinite(trace)):
             return
-        w = self.ema_weight
+        w = self.ema_weight if weight is None else weight
+        if not 0 < w <= 1:
+            raise ConfigError(f"noise-scale probe weight must be in (0, 1], got {w}")
         self._grad_sq = (1 - w) * self._grad_sq + w * grad_sq
         self._trace = (1 - w) * self._trace + w * trace
         self._decay *= 1 - w
