@@ -58,6 +58,7 @@ Mismatched configuration across ranks (global batch, seed, rebalance period, dat
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -546,15 +547,36 @@ class HeteroDDP:
 
     # -- setup --
     def check_config(self, values: dict[str, Any]) -> None:
-        """All-gather `values` and raise ConfigError (on every rank) if any field differs."""
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, values, group=self.group)
+        """All-gather `values` and raise ConfigError (on every rank) if any field differs.
+        They travel as JSON (non-JSON values as their repr): nothing a peer sends is
+        unpickled."""
+        gathered = [json.loads(b) for b in self._all_gather_bytes(
+            json.dumps(values, sort_keys=True, default=repr).encode())]
         for key in values:
             seen = [g.get(key, "<missing>") if isinstance(g, dict) else "<missing>"
                     for g in gathered]
             if any(v != seen[0] for v in seen):
                 raise ConfigError(f"hetrain.ddp: '{key}' differs across ranks: "
                                   + ", ".join(f"rank {r}={v!r}" for r, v in enumerate(seen)))
+
+    def _collective_device(self) -> torch.device:
+        """NCCL reduces only GPU tensors: the small all-gathers go where the group can."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes (lengths first, then the padded payloads)."""
+        device = self._collective_device()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = int(max(int(x) for x in sizes))
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [bytes(t[:int(n)].cpu().tolist()) for t, n in zip(out, sizes, strict=True)]
 
     def batch_sampler(self, dataset: Any, *, shuffle: bool = True,
                       drop_last: bool = True) -> HeteroBatchSampler:
@@ -656,11 +678,12 @@ class HeteroDDP:
         """Every rank's window row (world x 9: median seconds per sample, batches produced,
         median compute and step seconds, the noise sums), then a fresh window."""
         produced = self.sampler.produced if self.sampler is not None else self.steps
-        local = torch.tensor(self._window.row(produced), dtype=torch.float64)
+        local = torch.tensor(self._window.row(produced), dtype=torch.float64,
+                             device=self._collective_device())
         out = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.group)
         self._window = _Window()
-        return torch.stack(out)
+        return torch.stack(out).cpu()
 
     def rebalance(self) -> tuple[int, ...]:
         """All-gather the window's median seconds per sample and re-plan (a collective: every
