@@ -171,7 +171,9 @@ class PlanExecutor:
 
         return hook
 
-    def _loss(self, out: Tensor, y: Tensor) -> Tensor:
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        """loss_fn on the output boxed to the loss op's signature (vocab-parallel: run it and
+        its backward inside `loss_context`)."""
         if self.loss_sig is None:
             return self.loss_fn(out, _as_dtensor(y, self.mesh, [Replicate()] * self.mesh.ndim))
         ins = self.loss_sig.ins(0)
@@ -179,18 +181,22 @@ class PlanExecutor:
         y_pl = [Shard(0) if s == Split(0) else Replicate() for s in ins]
         return self.loss_fn(out, _as_dtensor(y, self.mesh, y_pl))
 
-    def _context(self) -> contextlib.AbstractContextManager[Any]:
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         vocab = self.loss_sig is not None and any(a.name == "vocab" for a in self.loss_sig.axes)
         return loss_parallel() if vocab else contextlib.nullcontext()
 
-    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
-        with self._context():
-            loss = self._loss(self.model(x), y)
-            loss.backward()
-        for p in self.model.parameters():  # gradient synchronisation: Partial -> placement
+    def sync_grads(self) -> None:
+        """Gradient synchronisation after backward: Partial -> each parameter's placement."""
+        for p in self.model.parameters():
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = box(g, list(p.placements), self.comm)
+
+    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        with self.loss_context():
+            loss = self.loss(self.model(x), y)
+            loss.backward()
+        self.sync_grads()
         return loss
 
     def parameters(self) -> list[nn.Parameter]:

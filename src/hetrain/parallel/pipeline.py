@@ -5,19 +5,24 @@ way torchtitan does it: a model's forward is written as a chain of `Piece`s (a G
 embedding, the attention half and the MLP half of each block, the final norm, the head; each
 module of a Sequential or of a ConvNet's features and classifier), a stage runs the pieces
 that start inside its op range, and every module outside the stage is dropped from the
-stage's copy of the model, so parameter names stay those of the whole model. A boundary
-must fall where a piece starts (a free reshape op before it may sit on either side).
+model (in place: every rank builds its own), so parameter names stay those of the whole
+model. A boundary must fall where a piece starts (a free reshape op before it may sit on
+either side).
 
-Ranks: with k stages of d devices each, rank s*d + j runs stage s of pipeline replica j
-(local processes stand in for the plan's device ids). Replica j trains on rows
-[j*B/d, (j+1)*B/d) of the global batch; each stage's replicas all-reduce their gradients
-(data parallel inside the stage, which is what a dp/rep stage plan computes). Ranks past
-k*d idle. The schedule averages gradients over micro-batches (scale_grads), matching the
-mean loss of one whole batch when every micro-batch has the same size.
+Ranks: with k stages of d devices each, rank s*d + j is device j of stage s (local processes
+stand in for the plan's device ids); ranks past k*d idle. A one-device stage runs plainly. A
+stage on several devices runs its own SBP plan with DTensor (execute.PlanExecutor on the
+stage's sub-graph and a DeviceMesh of its ranks: data, tensor or mixed parallel, whatever the
+plan says); its boundary activations are plain full tensors, so device j of stage s sends
+to device j of stage s+1 (one P2P group per j, d copies of each activation where the cost
+model prices one) and no DTensor crosses a boundary; the last stage keeps its output a
+DTensor for the loss op's signature (vocab-parallel cross-entropy). The schedule averages gradients over micro-batches (scale_grads), matching the mean
+loss of one whole batch when every micro-batch has the same size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -26,10 +31,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor, Replicate
 
 from hetrain.errors import ConfigError
+from hetrain.parallel.execute import PlanExecutor
 from hetrain.plan.cost import Plan, stage_graphs
 from hetrain.plan.graph import LayerGraph
 
@@ -115,36 +123,29 @@ class Layout:
     stages: tuple[tuple[Piece, ...], ...]
     """The pieces of every stage."""
     replicas: int
-    """Devices per stage (data parallel inside every stage)."""
+    """Devices per stage."""
 
 
 def pipeline_layout(model: nn.Module, graph: LayerGraph, plan: Plan) -> Layout:
     """Map the plan's stages onto the model's pieces; every plan this executor cannot run
     raises one ConfigError line saying why (no processes needed)."""
     d = _replicas(plan)
-    if plan.n_micro < 1 or graph.batch % (plan.n_micro * d):
-        raise ConfigError(f"batch {graph.batch} is not divisible by n_micro ({plan.n_micro}) x "
-                          f"devices per stage ({d})")
+    if plan.n_micro < 1 or graph.batch % plan.n_micro:
+        raise ConfigError(f"batch {graph.batch} is not divisible by n_micro ({plan.n_micro})")
     stages = _stage_pieces(model_pieces(model), graph, plan)
     _check_untied(model, stages)
     return Layout(stages, d)
 
 
 def _replicas(plan: Plan) -> int:
-    """Devices per stage, when every stage has as many and runs data parallel."""
+    """Devices per stage, when every stage has as many (device j of a stage feeds device j
+    of the next)."""
     if len(plan.stages) < 2:
         raise ConfigError("the pipeline executor runs plans of 2 or more stages")
     sizes = [len(st.mesh.devices) for st in plan.stages]
     if len(set(sizes)) > 1:
         raise ConfigError(f"pipeline stages span {sizes} devices; the executor needs the same "
                           "number of devices in every stage")
-    for s, st in enumerate(plan.stages):
-        bad = [(o, n) for o, n in zip(st.ops, st.signatures, strict=True)
-               if not set(n.split(",")) <= {"dp", "rep"}]
-        if sizes[s] > 1 and bad:
-            raise ConfigError(f"stage {s} runs op '{bad[0][0]}' as '{bad[0][1]}' on mesh "
-                              f"{st.mesh.label}; inside a pipeline stage the executor runs only "
-                              "data parallel (dp/rep signatures)")
     return sizes[0]
 
 
@@ -207,17 +208,22 @@ def _keep_only(module: nn.Module, keep: set[str], prefix: str = "") -> None:
 
 
 class StageModule(nn.Module):
-    """One stage: the model with only its modules left, run piece by piece."""
+    """One stage: the model with only its modules left, run piece by piece. With a `mesh`
+    (a DTensor stage) its input becomes a replicated DTensor and, unless `keep_dtensor` (the
+    last stage, whose loss is computed by the stage's plan), its output a plain full tensor."""
 
-    def __init__(self, model: nn.Module, pieces: tuple[Piece, ...]):
+    def __init__(self, model: nn.Module, pieces: tuple[Piece, ...],
+                 mesh: DeviceMesh | None = None, keep_dtensor: bool = False):
         super().__init__()
         _keep_only(model, {m for p in pieces for m in p.modules})
-        self.model, self.pieces = model, pieces
+        self.model, self.pieces, self.mesh, self.keep_dtensor = model, pieces, mesh, keep_dtensor
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.mesh is not None:
+            x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
         for p in self.pieces:
             x = p.run(self.model, x)
-        return x
+        return x.full_tensor() if isinstance(x, DTensor) and not self.keep_dtensor else x
 
 
 # ---- execution --------------------------------------------------------------------------------
@@ -238,53 +244,51 @@ class PipelineExecutor:
         if world < k * d:
             raise ConfigError(f"the plan needs {k} stages x {d} devices = {k * d} processes, "
                               f"the group has {world}")
-        self.replicas, self.n_micro, self.last_rank = d, m, (k - 1) * d
-        # every rank creates every group, in the same order (new_group's contract)
-        pp = [dist.new_group([s * d + j for s in range(k)]) for j in range(d)]
-        dp = [dist.new_group([s * d + j for j in range(d)]) if d > 1 else None for s in range(k)]
-        self.stage_index, self.replica = divmod(rank, d) if rank < k * d else (-1, -1)
+        self.n_micro, self.last_rank = m, (k - 1) * d
+        # every rank creates every group and mesh, in the same order (new_group's contract)
+        p2p = [dist.new_group([s * d + j for s in range(k)]) for j in range(d)]
+        meshes = [DeviceMesh("cpu", torch.arange(s * d, (s + 1) * d).view(st.mesh.shape))
+                  if d > 1 else None for s, st in enumerate(plan.stages)]
+        s, j = divmod(rank, d)
         self.module: StageModule | None = None
-        if self.stage_index < 0:
+        self.spmd: PlanExecutor | None = None
+        if rank >= k * d:
             return
-        self.module = StageModule(model, layout.stages[self.stage_index])
-        self.dp_group = dp[self.stage_index]
-        stage = PipelineStage(self.module, self.stage_index, k, torch.device("cpu"),
-                              group=pp[self.replica])
-        self.schedule = SCHEDULES[schedule](stage, n_microbatches=m, loss_fn=loss_fn,
-                                            scale_grads=True)
-        self.first, self.last = self.stage_index == 0, self.stage_index == k - 1
+        self.first, self.last = s == 0, s == k - 1
+        self.module = StageModule(model, layout.stages[s], meshes[s], keep_dtensor=self.last)
+        if meshes[s] is not None:
+            a, b = stage_graphs(graph, plan)[s]
+            self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
+                                     Plan(plan.graph, (plan.stages[s],)), meshes[s], loss_fn)
+        stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
+        self.schedule = SCHEDULES[schedule](
+            stage, n_microbatches=m, scale_grads=True,
+            loss_fn=self.spmd.loss if self.spmd is not None else loss_fn)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters()) if self.module is not None else []
 
     def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
-        if x.shape[0] % (self.replicas * self.n_micro):
-            raise ConfigError(f"batch {x.shape[0]} is not divisible by n_micro ({self.n_micro}) "
-                              f"x devices per stage ({self.replicas})")
+        if x.shape[0] % self.n_micro:
+            raise ConfigError(f"batch {x.shape[0]} is not divisible by n_micro ({self.n_micro})")
         loss = torch.zeros(1)
         if self.module is not None:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
-            rows = x.shape[0] // self.replicas
-            part = slice(self.replica * rows, (self.replica + 1) * rows)
             losses: list[Tensor] = []
-            if self.first:
-                self.schedule.step(x[part])
-            elif self.last:
-                self.schedule.step(target=y[part], losses=losses)
-            else:
-                self.schedule.step()
+            with self.spmd.loss_context() if self.spmd is not None else contextlib.nullcontext():
+                if self.first:
+                    self.schedule.step(x, return_outputs=False)
+                elif self.last:
+                    self.schedule.step(target=y, losses=losses, return_outputs=False)
+                else:
+                    self.schedule.step(return_outputs=False)
             if self.last:  # equal micro-batches: their mean is the batch's mean loss
-                loss = torch.stack([v.detach() for v in losses]).mean().reshape(1)
-            if self.dp_group is not None:  # data parallel inside the stage
-                grads = [p.grad for p in self.parameters() if p.grad is not None]
-                self._mean_over_replicas([*grads, loss] if self.last else grads)
+                full = [v.full_tensor() if isinstance(v, DTensor) else v for v in losses]
+                loss = torch.stack([v.detach() for v in full]).mean().reshape(1)
+            if self.spmd is not None:
+                self.spmd.sync_grads()
             if optimizer is not None:
                 optimizer.step()
         dist.broadcast(loss, src=self.last_rank)
         return float(loss)
-
-    def _mean_over_replicas(self, tensors: list[Tensor]) -> None:
-        for t in tensors:  # gloo has no AVG reduction
-            dist.all_reduce(t, group=self.dp_group)
-            t.div_(self.replicas)
