@@ -16,18 +16,19 @@ Every redistribution the executor makes follows the cost model's cheapest boxing
 (B, B) gradient on a 2-D mesh runs as reduce-scatter, all-reduce of a quarter, all-gather.
 
 Modules the graph does not name (position embedding, dropout) keep replicated parameters;
-their plain-tensor inputs are made replicated DTensors. Pipeline plans are not executed here.
+their plain-tensor inputs are made replicated DTensors. Pipeline plans run in
+parallel.pipeline; `make_executor` picks the executor a plan needs.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -102,7 +103,7 @@ def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: list[Placement],
 def resolve_signatures(graph: LayerGraph, plan: Plan) -> dict[str, NdSignature]:
     if len(plan.stages) != 1:
         raise ConfigError("the DTensor executor runs single-stage plans; this plan has "
-                          f"{len(plan.stages)} pipeline stages (plan with --no-pipeline)")
+                          f"{len(plan.stages)} pipeline stages (run it with make_executor)")
     st = plan.stages[0]
     out = {}
     for op, name in zip(graph.ops, st.signatures, strict=True):
@@ -170,7 +171,9 @@ class PlanExecutor:
 
         return hook
 
-    def _loss(self, out: Tensor, y: Tensor) -> Tensor:
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        """loss_fn on the output boxed to the loss op's signature (vocab-parallel: run it and
+        its backward inside `loss_context`)."""
         if self.loss_sig is None:
             return self.loss_fn(out, _as_dtensor(y, self.mesh, [Replicate()] * self.mesh.ndim))
         ins = self.loss_sig.ins(0)
@@ -178,24 +181,57 @@ class PlanExecutor:
         y_pl = [Shard(0) if s == Split(0) else Replicate() for s in ins]
         return self.loss_fn(out, _as_dtensor(y, self.mesh, y_pl))
 
-    def _context(self) -> contextlib.AbstractContextManager[Any]:
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         vocab = self.loss_sig is not None and any(a.name == "vocab" for a in self.loss_sig.axes)
         return loss_parallel() if vocab else contextlib.nullcontext()
 
-    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
-        with self._context():
-            loss = self._loss(self.model(x), y)
-            loss.backward()
-        for p in self.model.parameters():  # gradient synchronisation: Partial -> placement
+    def sync_grads(self) -> None:
+        """Gradient synchronisation after backward: Partial -> each parameter's placement."""
+        for p in self.model.parameters():
             g = p.grad
             if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
                 p.grad = box(g, list(p.placements), self.comm)
+
+    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        with self.loss_context():
+            loss = self.loss(self.model(x), y)
+            loss.backward()
+        self.sync_grads()
         return loss
 
-    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer) -> float:
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        assert optimizer is not None, "every rank of a single-stage plan holds parameters"
         optimizer.zero_grad(set_to_none=True)
         loss = self.forward_backward(x, y)
         optimizer.step()
         full = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return float(full.detach())
 
+
+class Executor(Protocol):
+    """What the runners need of an executor (PlanExecutor, pipeline.PipelineExecutor)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (none on a rank a pipeline leaves idle)."""
+        ...
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        """One training step on the global batch; the global mean loss on every rank."""
+        ...
+
+
+def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
+                  loss_fn: Callable[[Tensor, Tensor], Tensor], *, cluster: Cluster | None = None,
+                  comm: MeshComm | None = None, schedule: str = "gpipe") -> Executor:
+    """The executor for `plan` on the current process group: PipelineExecutor (with the
+    `schedule`, "gpipe" or "1f1b") for pipeline plans, else a PlanExecutor on a device mesh of
+    the plan's shape. Call on every rank."""
+    if len(plan.stages) > 1:
+        from hetrain.parallel.pipeline import PipelineExecutor
+
+        return PipelineExecutor(model, graph, plan, loss_fn, schedule)
+    mesh = init_device_mesh("cpu", plan.stages[0].mesh.shape)
+    return PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm)

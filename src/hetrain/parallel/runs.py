@@ -1,5 +1,9 @@
 """Train one model under several plans on real processes, and single-process for reference.
 
+Plans of one stage run with DTensor (execute.PlanExecutor, the mesh must span every rank),
+pipeline plans with torch.distributed.pipelining (pipeline.PipelineExecutor, which leaves
+ranks it does not need idle), so one group of processes can run both.
+
 `PlanRun` is plain picklable data (a model factory, the layer graph, plans, batches), so the
 same object drives the gloo workers (`run_plans`) and the reference (`reference_run`): both
 start from `torch.manual_seed(seed)` and see the same global batches, so their losses agree
@@ -16,9 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from hetrain.parallel.execute import PlanExecutor
+from hetrain.parallel.execute import make_executor
 from hetrain.parallel.launch import run_local
 from hetrain.plan.cost import Plan
 from hetrain.plan.graph import LayerGraph
@@ -37,6 +40,8 @@ class PlanRun:
     optimizer: str = "sgd"
     """"sgd" or "adamw"."""
     seed: int = 0
+    schedule: str | tuple[str, ...] = "gpipe"
+    """Pipeline schedule ("gpipe" or "1f1b") of every pipeline plan, or one per plan."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,9 @@ class PlanResult:
     step_times_s: tuple[float, ...]
 
 
-def _optimizer(run: PlanRun, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(run: PlanRun, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    if not params:  # a rank that a pipeline leaves idle
+        return None
     if run.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=run.lr, foreach=False)
     return torch.optim.SGD(params, lr=run.lr, foreach=False)
@@ -56,6 +63,7 @@ def reference_run(run: PlanRun) -> PlanResult:
     torch.manual_seed(run.seed)
     model = run.build_model()
     opt = _optimizer(run, list(model.parameters()))
+    assert opt is not None
     losses, times = [], []
     for x, y in run.batches:
         t0 = time.perf_counter()
@@ -71,12 +79,12 @@ def reference_run(run: PlanRun) -> PlanResult:
 def plans_worker(rank: int, world: int, run: PlanRun) -> list[PlanResult]:
     """Every plan of `run` on this rank (call on all ranks of an initialised group)."""
     out = []
-    for plan in run.plans:
-        mesh = init_device_mesh("cpu", plan.stages[0].mesh.shape)
+    for k, plan in enumerate(run.plans):
         torch.manual_seed(run.seed)
         model = run.build_model()
-        ex = PlanExecutor(model, run.graph, plan, mesh, run.loss_fn)
-        opt = _optimizer(run, list(model.parameters()))
+        schedule = run.schedule if isinstance(run.schedule, str) else run.schedule[k]
+        ex = make_executor(model, run.graph, plan, run.loss_fn, schedule=schedule)
+        opt = _optimizer(run, ex.parameters())
         losses, times = [], []
         for x, y in run.batches:
             dist.barrier()

@@ -1,0 +1,294 @@
+"""Execute a pipeline Plan with torch.distributed.pipelining (GPipe or 1F1B) on gloo processes.
+
+A plan's stages are contiguous op ranges (cost.stage_graphs). The model is cut the manual
+way torchtitan does it: a model's forward is written as a chain of `Piece`s (a GPT's
+embedding, the attention half and the MLP half of each block, the final norm, the head; each
+module of a Sequential or of a ConvNet's features and classifier), a stage runs the pieces
+that start inside its op range, and every module outside the stage is dropped from the
+model (in place: every rank builds its own), so parameter names stay those of the whole
+model. A boundary must fall where a piece starts (a free reshape op before it may sit on
+either side).
+
+Ranks: with k stages of d devices each, rank s*d + j is device j of stage s (local processes
+stand in for the plan's device ids); ranks past k*d idle. A one-device stage runs plainly. A
+stage on several devices runs its own SBP plan with DTensor (execute.PlanExecutor on the
+stage's sub-graph and a DeviceMesh of its ranks: data, tensor or mixed parallel, whatever the
+plan says); its boundary activations are plain full tensors, so device j of stage s sends
+to device j of stage s+1 (one P2P group per j, d copies of each activation where the cost
+model prices one) and no DTensor crosses a boundary; the last stage keeps its output a
+DTensor for the loss op's signature (vocab-parallel cross-entropy). The schedule averages gradients over micro-batches (scale_grads), matching the mean
+loss of one whole batch when every micro-batch has the same size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.tensor import DTensor, Replicate
+
+from hetrain.errors import ConfigError
+from hetrain.parallel.execute import PlanExecutor
+from hetrain.plan.cost import Plan, stage_graphs
+from hetrain.plan.graph import LayerGraph
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of the model's forward that no stage boundary cuts."""
+
+    start: str
+    """The graph op where the piece begins (it runs up to the next piece's start)."""
+    modules: tuple[str, ...]
+    """Module paths it calls: its stage keeps them."""
+    run: Callable[[nn.Module, Tensor], Tensor]
+    """(the stage's copy of the model, input) -> output."""
+
+
+# ---- pieces of the models the planner has graphs for -----------------------------------------
+def _gpt_embed(m: nn.Module, idx: Tensor) -> Tensor:
+    t = idx.shape[1]
+    if t > m.block_size:
+        raise ValueError(f"gpt: sequence length {t} exceeds block_size {m.block_size}")
+    return m.drop(m.tok_emb(idx) + m.pos_emb(torch.arange(t, device=idx.device)))
+
+
+def _gpt_attn(i: int, m: nn.Module, x: Tensor) -> Tensor:
+    b = m.blocks[i]
+    return x + b.attn(b.ln1(x))
+
+
+def _gpt_mlp(i: int, m: nn.Module, x: Tensor) -> Tensor:
+    b = m.blocks[i]
+    return x + b.mlp(b.ln2(x))
+
+
+def _child(path: str, m: nn.Module, x: Tensor) -> Tensor:
+    return m.get_submodule(path)(x)
+
+
+def _conv_in(path: str, m: nn.Module, x: Tensor) -> Tensor:
+    return m.get_submodule(path)(x.reshape(x.shape[0], *m.in_shape))
+
+
+def _flat_in(path: str, m: nn.Module, x: Tensor) -> Tensor:
+    return m.get_submodule(path)(x.flatten(1))
+
+
+def _chain(prefix: str, seq: nn.Module, first: Callable[..., Tensor]) -> list[Piece]:
+    """One piece per child of a Sequential (or the module itself); `first` runs the first."""
+    names = [f"{prefix}.{n}" for n, _ in seq.named_children()] if isinstance(seq, nn.Sequential) \
+        else [prefix]
+    return [Piece(p, (p,), functools.partial(first if k == 0 else _child, p))
+            for k, p in enumerate(names)]
+
+
+def model_pieces(model: nn.Module) -> list[Piece]:
+    """The forward of a hetrain GPT, ConvNet (vgg, cnn) or Sequential (mlp) as pieces, named
+    like the ops of plan.graph's gpt_graph / vgg_graph / graph_from_module."""
+    from hetrain.workloads.gpt import GPT
+    from hetrain.workloads.models import ConvNet
+
+    if isinstance(model, GPT):
+        out = [Piece("tok_emb", ("tok_emb", "pos_emb", "drop"), _gpt_embed)]
+        for i in range(len(model.blocks)):
+            p = f"blocks.{i}"
+            out += [Piece(f"{p}.ln1", (f"{p}.ln1", f"{p}.attn"), functools.partial(_gpt_attn, i)),
+                    Piece(f"{p}.ln2", (f"{p}.ln2", f"{p}.mlp"), functools.partial(_gpt_mlp, i))]
+        return [*out, Piece("ln_f", ("ln_f",), functools.partial(_child, "ln_f")),
+                Piece("head", ("head",), functools.partial(_child, "head"))]
+    if isinstance(model, ConvNet):
+        return [*_chain("features", model.features, _conv_in),
+                *_chain("classifier", model.classifier, _flat_in)]
+    if isinstance(model, nn.Sequential):
+        return [Piece(n, (n,), functools.partial(_child, n)) for n, _ in model.named_children()]
+    raise ConfigError(f"pipeline: cannot split a {type(model).__name__} into stages; the "
+                      "executor knows GPT, ConvNet (vgg, cnn) and nn.Sequential (mlp)")
+
+
+# ---- the layout of a plan on a model ---------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    stages: tuple[tuple[Piece, ...], ...]
+    """The pieces of every stage."""
+    replicas: int
+    """Devices per stage."""
+
+
+def pipeline_layout(model: nn.Module, graph: LayerGraph, plan: Plan) -> Layout:
+    """Map the plan's stages onto the model's pieces; every plan this executor cannot run
+    raises one ConfigError line saying why (no processes needed)."""
+    d = _replicas(plan)
+    if plan.n_micro < 1 or graph.batch % plan.n_micro:
+        raise ConfigError(f"batch {graph.batch} is not divisible by n_micro ({plan.n_micro})")
+    stages = _stage_pieces(model_pieces(model), graph, plan)
+    _check_untied(model, stages)
+    return Layout(stages, d)
+
+
+def _replicas(plan: Plan) -> int:
+    """Devices per stage, when every stage has as many (device j of a stage feeds device j
+    of the next)."""
+    if len(plan.stages) < 2:
+        raise ConfigError("the pipeline executor runs plans of 2 or more stages")
+    sizes = [len(st.mesh.devices) for st in plan.stages]
+    if len(set(sizes)) > 1:
+        raise ConfigError(f"pipeline stages span {sizes} devices; the executor needs the same "
+                          "number of devices in every stage")
+    return sizes[0]
+
+
+def _stage_pieces(pieces: list[Piece], graph: LayerGraph, plan: Plan) -> tuple[tuple[Piece, ...], ...]:
+    """The pieces of each stage; a stage must start where a piece does (or at free reshapes
+    just before one)."""
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    missing = [p.start for p in pieces if p.start not in index]
+    if missing:
+        raise ConfigError(f"the model does not match graph '{graph.name}': the graph has no "
+                          f"op '{missing[0]}' (a module of the model)")
+    at = {index[p.start]: p for p in pieces}
+    if sorted(at) != [index[p.start] for p in pieces] or 0 not in at:
+        raise ConfigError(f"the model does not match graph '{graph.name}': its modules are not "
+                          "in graph order from the first op")
+    starts = [0]
+    for s, (a, _) in enumerate(stage_graphs(graph, plan)[1:], 1):
+        j = a
+        while j not in at and j < len(graph.ops) and graph.ops[j].kind == "reshape":
+            j += 1  # a free reshape may go with either stage
+        if j not in at:
+            inside = at[max(i for i in at if i < a)].start
+            allowed = [p.start for p in pieces[1:]]
+            raise ConfigError(f"stage {s} starts at op '{graph.ops[a].name}', inside the piece "
+                              f"that starts at '{inside}'; stages may start at: "
+                              f"{', '.join(allowed[:8])}{', ...' if len(allowed) > 8 else ''}")
+        starts.append(j)
+    starts.append(len(graph.ops))
+    stages = tuple(tuple(at[i] for i in sorted(at) if a <= i < b)
+                   for a, b in itertools.pairwise(starts))
+    for s, ps in enumerate(stages):
+        if not ps:
+            raise ConfigError(f"stage {s} holds no module of the model (only ops "
+                              f"{list(plan.stages[s].ops)})")
+    return stages
+
+
+def _check_untied(model: nn.Module, stages: tuple[tuple[Piece, ...], ...]) -> None:
+    """A parameter two stages use (tied embedding and head) would need its own sync."""
+    stage_of: dict[int, int] = {}
+    for s, ps in enumerate(stages):
+        for path in (m for p in ps for m in p.modules):
+            for name, prm in model.get_submodule(path).named_parameters():
+                if stage_of.setdefault(id(prm), s) != s:
+                    raise ConfigError(f"parameter '{path}.{name}' is used by stages "
+                                      f"{stage_of[id(prm)]} and {s} (tied weights); the "
+                                      "executor cannot split it")
+
+
+def _keep_only(module: nn.Module, keep: set[str], prefix: str = "") -> None:
+    """Drop (set to None) every submodule that is neither in `keep` nor above one of them."""
+    for name, child in list(module.named_children()):
+        path = prefix + name
+        if path in keep:
+            continue
+        if any(k.startswith(path + ".") for k in keep):
+            _keep_only(child, keep, path + ".")
+        else:
+            setattr(module, name, None)
+
+
+class StageModule(nn.Module):
+    """One stage: the model with only its modules left, run piece by piece. With a `mesh`
+    (a DTensor stage) its input becomes a replicated DTensor and, unless `keep_dtensor` (the
+    last stage, whose loss is computed by the stage's plan), its output a plain full tensor."""
+
+    def __init__(self, model: nn.Module, pieces: tuple[Piece, ...],
+                 mesh: DeviceMesh | None = None, keep_dtensor: bool = False):
+        super().__init__()
+        _keep_only(model, {m for p in pieces for m in p.modules})
+        self.model, self.pieces, self.mesh, self.keep_dtensor = model, pieces, mesh, keep_dtensor
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.mesh is not None:
+            x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        for p in self.pieces:
+            x = p.run(self.model, x)
+        return x.full_tensor() if isinstance(x, DTensor) and not self.keep_dtensor else x
+
+
+# ---- execution --------------------------------------------------------------------------------
+class PipelineExecutor:
+    """A pipeline plan on this process group: build it on every rank (the same seed, the
+    model pruned in place to this rank's stage) and call `step(x, y, optimizer)` with the same
+    global batch everywhere; it returns the global mean loss on every rank."""
+
+    def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], schedule: str = "gpipe"):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule '{schedule}'; one of {sorted(SCHEDULES)}")
+        layout = pipeline_layout(model, graph, plan)
+        k, d, m = len(layout.stages), layout.replicas, plan.n_micro
+        if schedule == "1f1b" and m < k:
+            raise ConfigError(f"1F1B needs at least as many micro-batches as stages ({m} < {k})")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world < k * d:
+            raise ConfigError(f"the plan needs {k} stages x {d} devices = {k * d} processes, "
+                              f"the group has {world}")
+        self.n_micro, self.last_rank = m, (k - 1) * d
+        # every rank creates every group and mesh, in the same order (new_group's contract)
+        p2p = [dist.new_group([s * d + j for s in range(k)]) for j in range(d)]
+        meshes = [DeviceMesh("cpu", torch.arange(s * d, (s + 1) * d).view(st.mesh.shape))
+                  if d > 1 else None for s, st in enumerate(plan.stages)]
+        s, j = divmod(rank, d)
+        self.module: StageModule | None = None
+        self.spmd: PlanExecutor | None = None
+        if rank >= k * d:
+            return
+        self.first, self.last = s == 0, s == k - 1
+        self.module = StageModule(model, layout.stages[s], meshes[s], keep_dtensor=self.last)
+        if meshes[s] is not None:
+            a, b = stage_graphs(graph, plan)[s]
+            self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
+                                     Plan(plan.graph, (plan.stages[s],)), meshes[s], loss_fn)
+        stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
+        self.schedule = SCHEDULES[schedule](
+            stage, n_microbatches=m, scale_grads=True,
+            loss_fn=self.spmd.loss if self.spmd is not None else loss_fn)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters()) if self.module is not None else []
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        if x.shape[0] % self.n_micro:
+            raise ConfigError(f"batch {x.shape[0]} is not divisible by n_micro ({self.n_micro})")
+        loss = torch.zeros(1)
+        if self.module is not None:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            losses: list[Tensor] = []
+            with self.spmd.loss_context() if self.spmd is not None else contextlib.nullcontext():
+                if self.first:
+                    self.schedule.step(x, return_outputs=False)
+                elif self.last:
+                    self.schedule.step(target=y, losses=losses, return_outputs=False)
+                else:
+                    self.schedule.step(return_outputs=False)
+            if self.last:  # equal micro-batches: their mean is the batch's mean loss
+                full = [v.full_tensor() if isinstance(v, DTensor) else v for v in losses]
+                loss = torch.stack([v.detach() for v in full]).mean().reshape(1)
+            if self.spmd is not None:
+                self.spmd.sync_grads()
+            if optimizer is not None:
+                optimizer.step()
+        dist.broadcast(loss, src=self.last_rank)
+        return float(loss)

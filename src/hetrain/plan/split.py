@@ -1,0 +1,102 @@
+"""Pipeline stage boundaries by device speed: a slower device gets fewer layers.
+
+A GPipe iteration takes about (n_micro + k - 1) x its slowest stage's time per micro-batch, so
+the best contiguous split of the ops over k devices (in pipeline order) minimises the slowest
+stage. With per-op times that depend on the device (the cost model's compute term: o_k + c x
+flops / speed), that is a min-max partition, solved exactly by dynamic programming over
+contiguous ranges in O(k n^2). Only compute is balanced: the boundary transfer is the same
+whichever device sends it, and the search prices it afterwards (cost.plan_cost).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
+from hetrain.plan.cost import CostOptions, Plan, StagePlan, stage_tables
+from hetrain.plan.graph import LayerGraph, Op
+from hetrain.plan.sbp import Mesh, signatures
+
+
+def min_max_split(costs: Sequence[Sequence[float]],
+                  starts: Collection[int] | None = None) -> tuple[list[int], float]:
+    """Stage bounds [0, b_1, ..., n] minimising max_s sum(costs[s][b_s:b_s+1]).
+
+    costs[s][i] is the time of op i on stage s's device (k rows of n ops); each stage gets at
+    least one op; `starts` restricts where a stage after the first may begin (default: any op).
+    Returns (bounds, the slowest stage's time); raises ConfigError when no split exists."""
+    k, n = len(costs), len(costs[0]) if costs else 0
+    if k == 0 or any(len(row) != n for row in costs):
+        raise ConfigError("min_max_split: costs must be k >= 1 rows of equal length")
+    ok = [i in starts if starts is not None else True for i in range(n + 1)]
+    ok[0] = ok[n] = True
+    pre = np.zeros((k, n + 1))
+    pre[:, 1:] = np.cumsum(np.asarray(costs, dtype=float), axis=1)
+    inf = float("inf")
+    # best[s][j]: the slowest of stages 0..s when they hold ops[:j]; arg[s][j] its last start
+    best = np.full((k, n + 1), inf)
+    arg = np.zeros((k, n + 1), dtype=int)
+    best[0, 1:] = pre[0, 1:]
+    for s in range(1, k):
+        for j in range(s + 1, n + 1):
+            if not ok[j]:
+                continue
+            for i in range(s, j):
+                if ok[i] and best[s - 1, i] < inf:
+                    t = max(best[s - 1, i], pre[s, j] - pre[s, i])
+                    if t < best[s, j]:
+                        best[s, j], arg[s, j] = t, i
+    if best[k - 1, n] == inf:
+        raise ConfigError(f"cannot split {n} ops into {k} stages at the allowed boundaries")
+    bounds = [n]
+    for s in range(k - 1, 0, -1):
+        bounds.append(int(arg[s, bounds[-1]]))
+    return [0, *reversed(bounds)], float(best[k - 1, n])
+
+
+def op_compute_s(graph: LayerGraph, cluster: Cluster, device: int,
+                 options: CostOptions | None = None) -> list[float]:
+    """Per-op forward + backward compute seconds of `graph` on one device (the cost model's
+    compute term; on one device every signature computes the same)."""
+    tab = stage_tables(graph, Mesh((1,), (device,)), cluster, options)
+    return [float(c.min()) for c in tab.compute]
+
+
+def speed_split(graph: LayerGraph, cluster: Cluster, devices: Sequence[int], n_micro: int = 1,
+                options: CostOptions | None = None,
+                starts: Collection[int] | None = None) -> Plan:
+    """A pipeline Plan with one stage per device of `devices` (in that order), cut to minimise
+    the slowest stage's compute on a micro-batch. `starts` defaults to the graph's cut points
+    (where exactly one tensor crosses)."""
+    if n_micro < 1 or graph.batch % n_micro:
+        raise ConfigError(f"batch {graph.batch} is not divisible by n_micro={n_micro}")
+    micro = graph.scaled(1.0 / n_micro) if n_micro > 1 else graph
+    costs = [op_compute_s(micro, cluster, d, options) for d in devices]
+    if starts is None:
+        starts = {c + 1 for c in graph.cut_points()}
+    bounds, _ = min_max_split(costs, starts)
+    return pipeline_plan(graph, bounds, [Mesh((1,), (d,)) for d in devices], n_micro)
+
+
+def data_parallel_signature(op: Op, mesh_shape: tuple[int, ...]) -> str:
+    """The op's signature with the most data-parallel axes among dp/rep-only ones."""
+    names = [s.name for s in signatures(op, mesh_shape)
+             if {a.name for a in s.axes} <= {"dp", "rep"}]
+    return max(names, key=lambda n: n.split(",").count("dp"))
+
+
+def pipeline_plan(graph: LayerGraph, bounds: Sequence[int], meshes: Sequence[Mesh],
+                  n_micro: int) -> Plan:
+    """Stage s = ops[bounds[s]:bounds[s+1]] on meshes[s], data parallel inside the stage."""
+    if len(bounds) != len(meshes) + 1 or bounds[0] != 0 or bounds[-1] != len(graph.ops) or any(
+            a >= b for a, b in itertools.pairwise(bounds)):
+        raise ConfigError(f"pipeline bounds {list(bounds)} must rise from 0 to {len(graph.ops)} "
+                          f"with one stage per mesh ({len(meshes)})")
+    return Plan(graph.name, tuple(
+        StagePlan(m, tuple(op.name for op in graph.ops[a:b]),
+                  tuple(data_parallel_signature(op, m.shape) for op in graph.ops[a:b]))
+        for m, a, b in zip(meshes, bounds, bounds[1:], strict=False)), n_micro)
