@@ -33,6 +33,7 @@ picklable (module-level classes and functions; guard the script with `if __name_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import os
@@ -471,6 +472,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
           max_epochs: float | None = None, target_accuracy: float | None = None,
           target_loss: float | None = None, seed: int = 0, name: str = "train",
           runs_dir: str | Path | None = None, tensorboard: bool = False,
+          checkpoint: bool = True, resume: bool = False,
           progress: bool | ProgressFn = False,
           config: Mapping[str, Mapping[str, Any]] | None = None) -> TrainResult:
     """Train `model` on `dataset` across `cluster` with `strategy`; return metrics and model.
@@ -493,6 +495,15 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     - tensorboard: also write TensorBoard events to runs_dir/<name>/tensorboard/ (the
       train.tensorboard key); needs runs_dir and the tensorboard package, both checked before
       training.
+    - checkpoint: with runs_dir, write runs_dir/<name>/checkpoint.pt when the run ends,
+      every train.checkpoint_every server updates, and on Ctrl-C / SIGTERM (the run then
+      raises hetrain.engine.signals.RunInterrupted); False writes none (the train.checkpoint
+      key; the dist engine then returns no model, which it reads back from that file).
+    - resume: continue the run runs_dir/<name> from its checkpoint (the train.resume key;
+      `hetrain run --resume`), on the engine that wrote it; a simulator run goes on exactly
+      as the uncut run would have. A checkpoint of another model, data set, cluster,
+      optimizer, strategy or engine is refused. A larger max_epochs trains a finished run
+      further.
     - progress: True prints a line per evaluation; or a callback (fraction, row | None).
     - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
       "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
@@ -512,12 +523,16 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
                     optimizer=optimizer, scheduler=scheduler, batch_size=batch_size, seed=seed, stop=stop,
                     config=config, max_epochs=max_epochs, target_accuracy=target_accuracy,
-                    target_loss=target_loss, tensorboard=tensorboard)
+                    target_loss=target_loss, tensorboard=tensorboard, checkpoint=checkpoint,
+                    resume=resume)
     strategy_instance = _strategy(strategy)[1]
     cfg = config_from_dict(doc)
     if cfg.train.tensorboard and runs_dir is None:
         raise ConfigError("tensorboard=True writes runs_dir/<name>/tensorboard/ beside "
                           "metrics.jsonl: pass runs_dir as well (e.g. runs_dir='runs')")
+    if cfg.train.resume and runs_dir is None:
+        raise ConfigError("resume=True continues from runs_dir/<name>/checkpoint.pt: pass the "
+                          "runs_dir of the run to continue")
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
     dataset, from_loader = _unwrap_loader(dataset, "dataset")
@@ -545,6 +560,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
 def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer: Any,
               scheduler: str | Mapping[str, Any] | None = None, batch_size: int, seed: int, stop: Mapping[str, Any] | None,
               config: Mapping[str, Mapping[str, Any]] | None, tensorboard: bool = False,
+              checkpoint: bool = True, resume: bool = False,
               **stop_keys: Any) -> dict[str, Any]:
     """The run config document train() validates with config_from_dict."""
     extra = {k: dict(v) for k, v in (config or {}).items()}
@@ -561,6 +577,7 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
         "optimizer": {**_optimizer_table(optimizer), **_scheduler_keys(scheduler),
                       **extra.pop("optimizer", {})},
         "train": {"batch_size": batch_size, "seed": seed, "tensorboard": tensorboard,
+                  "checkpoint": checkpoint, "resume": resume,
                   **extra.pop("train", {})},
         "stop": stop_table, **extra,
     }
@@ -595,6 +612,8 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
                               f"({e}); define them at module level (no lambdas or local "
                               f"classes) and guard the script with `if __name__ == "
                               f"'__main__':`") from e
+    if runs_dir is None:  # the model comes back through a checkpoint in a temporary directory
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint=True))
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
         root = Path(runs_dir) if runs_dir is not None else Path(tmp)
         r = run_config(cfg, runs_root=root, progress=progress, cluster=cluster,
