@@ -516,9 +516,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       engines turn planned indices into batches. dataset (and test_dataset) may be a
       DataLoader: its dataset is trained on and those options of it are taken. batch_size, shuffle, sampler, batch_sampler,
       drop_last and generator are refused: the plan sets each device's batch and the seed the
-      order. num_workers > 0 starts DataLoader workers per replica on the sim (shared by the
-      replicas) and on the dist engine under torchrun; a spawned dist run (no torchrun) refuses
-      it, its workers being daemon processes, which cannot have children.
+      order. num_workers > 0 starts DataLoader workers on the sim (shared by the replicas),
+      and in every worker process on the dist engine (spawned or under torchrun).
     """
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
                     optimizer=optimizer, scheduler=scheduler, batch_size=batch_size, seed=seed, stop=stop,
@@ -629,7 +628,7 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
 
 def _check_spawnable(workload: Workload) -> None:
     """Refuse, in one line and before any process starts, what a spawned dist run cannot ship
-    or run: a user callable that does not pickle, and DataLoader workers in daemon processes."""
+    or run: a user callable that does not pickle."""
     callables = (("train_step", workload.train_step), ("eval_fn", workload.eval_fn),
                  ("collate_fn", workload.loader.collate_fn), ("loss_fn", workload.loss_fn),
                  ("worker_init_fn", workload.loader.worker_init_fn))
@@ -644,11 +643,6 @@ def _check_spawnable(workload: Workload) -> None:
                               f"pickling, and {what}={label} cannot be pickled "
                               f"({type(e).__name__}); define it with `def` at module level "
                               "(not a lambda or a nested function)") from e
-    if workload.loader.num_workers > 0:
-        raise ConfigError(f"num_workers={workload.loader.num_workers} cannot be used with "
-                          "engine='dist' in spawned processes (daemon processes cannot start "
-                          "DataLoader workers); use num_workers=0, engine='sim', or launch the "
-                          "ranks with torchrun")
 
 
 # ---- planning for users who keep their own loop -----------------------------------------------

@@ -409,7 +409,12 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         for rank in range(1, world):
             mine, theirs = ctx.Pipe()
             rv = Rendezvous(rank, world, cfg_d.master_addr, port, secret=secret)
-            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=True,
+            # Not daemonic, so that a worker can start DataLoader workers (loader
+            # num_workers > 0). Daemonic would only add multiprocessing's terminate at this
+            # process's normal exit, and `_reap` (the finally below, however rank 0's part
+            # ends) has already joined or killed every worker by then; a SIGKILLed rank 0
+            # runs neither. Workers also stop by themselves when rank 0's connection breaks.
+            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=False,
                             name=f"hetrain-worker-{rank}")
             p.start()
             procs.append(p)
