@@ -130,6 +130,9 @@ def test_api_resume_trains_a_finished_run_further_to_the_uncut_accuracy(tmp_path
     full = train(tiny, Blobs(1200), max_epochs=1.0, runs_dir=tmp_path / "full", **quick)
     short = train(tiny, Blobs(1200), max_epochs=0.5, runs_dir=tmp_path / "cut", **quick)
     assert short.summary["epochs"] < 0.6
+    again = train(tiny, Blobs(1200), max_epochs=0.5, runs_dir=tmp_path / "cut", resume=True,
+                  **quick)  # nothing left to do: the same rows, and the checkpoint stays whole
+    assert again.rows == short.rows
     more = train(tiny, Blobs(1200), max_epochs=1.0, runs_dir=tmp_path / "cut", resume=True,
                  **quick)
     assert more.final_accuracy == full.final_accuracy > 0.8

@@ -314,10 +314,11 @@ class Simulator:
         with self._signals():
             if self.resumed:
                 self.done = self._should_stop(self.now)  # the config may stop later now
-                workers, t, collective_s = self.unreleased
-                self.unreleased = ([], 0.0, 0.0)
-                for w in workers if not self.done else ():
-                    self._release(w, t, collective_s)
+                if not self.done:
+                    workers, t, collective_s = self.unreleased
+                    self.unreleased = ([], 0.0, 0.0)
+                    for w in workers:
+                        self._release(w, t, collective_s)
             else:
                 self._evaluate(0.0)
                 for w in range(self.p.cluster.n):
