@@ -120,7 +120,7 @@ def test_synchronous_run_stops_with_checkpoint_and_resumes_to_same_model(
         run_distributed(cfg, run_dir=tmp_path / "cut", faults=fail_at(rank=2, task=3),
                         workload=wl)
     assert checkpoint_path(tmp_path / "cut").is_file()
-    resumed = run_distributed(cfg.replace(dist=replace(cfg.dist, resume=True)),
+    resumed = run_distributed(cfg.replace(train=replace(cfg.train, resume=True)),
                               run_dir=tmp_path / "cut", workload=wl)
     assert resumed.summary["updates"] == full.summary["updates"]
     assert resumed.summary["final_accuracy"] == pytest.approx(full.summary["final_accuracy"],

@@ -144,7 +144,7 @@ def test_two_shard_checkpoint_resumes_to_the_model_of_an_uncut_run(tmp_path,
     with pytest.raises(ConfigError, match=r"dist\.ps_shards = 2"):
         run_distributed(trio_cfg("test_sync_ps", resume=True), run_dir=tmp_path / "cut",
                         strategy=SyncPS(), workload=wl)
-    resumed = run_distributed(cfg.replace(dist=replace(cfg.dist, resume=True)),
+    resumed = run_distributed(cfg.replace(train=replace(cfg.train, resume=True)),
                               run_dir=tmp_path / "cut", strategy=SyncPS(), workload=wl)
     assert resumed.summary["updates"] == full.summary["updates"]
     assert resumed.summary["final_accuracy"] == pytest.approx(full.summary["final_accuracy"],

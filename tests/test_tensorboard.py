@@ -177,7 +177,7 @@ def test_resumed_dist_run_shows_each_step_once(tmp_path, mnist1d_cnn_small) -> N
         run_distributed(cfg, run_dir=tmp_path / "cut", faults=fail_at(rank=2, task=5),
                         workload=mnist1d_cnn_small)
     assert not writer_threads()
-    run_distributed(cfg.replace(dist=replace(cfg.dist, resume=True)), run_dir=tmp_path / "cut",
+    run_distributed(cfg.replace(train=replace(cfg.train, resume=True)), run_dir=tmp_path / "cut",
                     workload=mnist1d_cnn_small)
     assert len(list((tmp_path / "cut" / "tensorboard").iterdir())) == 2
     rows = jsonl_rows(tmp_path / "cut")

@@ -221,10 +221,41 @@ def test_unpicklable_callables_are_refused_before_dist_spawns(which):
     assert "\n" not in str(e.value)
 
 
-def test_dataloader_workers_are_refused_on_spawned_dist_runs():
-    with pytest.raises(ConfigError, match="num_workers=2 cannot be used with engine='dist'"):
-        train(Mlp(), TRAIN, test_dataset=TEST, engine="dist", train_step=dict_step,
-              num_workers=2, max_epochs=0.1, **QUICK)
+def mark_process(folder: str, worker_id: int) -> None:
+    """A worker_init_fn: a file named <the loading process>-<this DataLoader worker>."""
+    (Path(folder) / f"{os.getppid()}-{os.getpid()}").touch()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow  # ~32 s on 2 cores (3 processes importing torch, 6 DataLoader workers)
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_dataloader_workers_on_spawned_dist_runs(tmp_path):
+    """The spawned workers are not daemonic, so each starts its own DataLoader workers
+    (num_workers=2); every process of the run has exited when train returns."""
+    pair = {"name": "pair", "sites": [{"name": "s", "lan": {"bandwidth_Bps": 1e9},
+                                       "wan": {"bandwidth_Bps": 1e9}}],
+            "devices": [{"name": "slow", "flops": 1e9}, {"name": "fast", "flops": 2e9}]}
+    r = train(Mlp(), TRAIN, test_dataset=TEST, train_step=dict_step, eval_fn=dict_correct,
+              num_workers=2, loader_options={"worker_init_fn": functools.partial(
+                  mark_process, str(tmp_path))},
+              cluster=pair, strategy="local_sgd", engine="dist", batch_size=16, max_epochs=1.0,
+              optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+              config={"dist": {"emulate": "none"}})
+    assert r.summary["engine"] == "dist" and r.final_accuracy > 0.8
+    pairs = [tuple(int(x) for x in p.name.split("-")) for p in tmp_path.iterdir()]
+    loaders = {parent for parent, _ in pairs}
+    assert os.getpid() in loaders and len(loaders) == 3  # rank 0's evaluation + 2 workers
+    assert len(pairs) == 2 * 3
+    assert not [pid for parent, child in pairs for pid in (parent, child)
+                if pid != os.getpid() and _alive(pid)]
 
 
 Pair = namedtuple("Pair", "x y")

@@ -33,6 +33,7 @@ picklable (module-level classes and functions; guard the script with `if __name_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import os
@@ -471,6 +472,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
           max_epochs: float | None = None, target_accuracy: float | None = None,
           target_loss: float | None = None, seed: int = 0, name: str = "train",
           runs_dir: str | Path | None = None, tensorboard: bool = False,
+          checkpoint: bool = True, resume: bool = False,
           progress: bool | ProgressFn = False,
           config: Mapping[str, Mapping[str, Any]] | None = None) -> TrainResult:
     """Train `model` on `dataset` across `cluster` with `strategy`; return metrics and model.
@@ -493,6 +495,15 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
     - tensorboard: also write TensorBoard events to runs_dir/<name>/tensorboard/ (the
       train.tensorboard key); needs runs_dir and the tensorboard package, both checked before
       training.
+    - checkpoint: with runs_dir, write runs_dir/<name>/checkpoint.pt when the run ends,
+      every train.checkpoint_every server updates, and on Ctrl-C / SIGTERM (the run then
+      raises hetrain.engine.signals.RunInterrupted); False writes none (the train.checkpoint
+      key; the dist engine then returns no model, which it reads back from that file).
+    - resume: continue the run runs_dir/<name> from its checkpoint (the train.resume key;
+      `hetrain run --resume`), on the engine that wrote it; a simulator run goes on exactly
+      as the uncut run would have. A checkpoint of another model, data set, cluster,
+      optimizer, strategy or engine is refused. A larger max_epochs trains a finished run
+      further.
     - progress: True prints a line per evaluation; or a callback (fraction, row | None).
     - config: any other tables of the run config reference, e.g. {"train": {"threads": 2,
       "compression": "fp16"}, "dist": {"backend": "nccl"}}; validated the same way.
@@ -505,19 +516,22 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       engines turn planned indices into batches. dataset (and test_dataset) may be a
       DataLoader: its dataset is trained on and those options of it are taken. batch_size, shuffle, sampler, batch_sampler,
       drop_last and generator are refused: the plan sets each device's batch and the seed the
-      order. num_workers > 0 starts DataLoader workers per replica on the sim (shared by the
-      replicas) and on the dist engine under torchrun; a spawned dist run (no torchrun) refuses
-      it, its workers being daemon processes, which cannot have children.
+      order. num_workers > 0 starts DataLoader workers on the sim (shared by the replicas),
+      and in every worker process on the dist engine (spawned or under torchrun).
     """
     doc = _document(name=name, cluster=cluster, engine=engine, strategy=strategy,
                     optimizer=optimizer, scheduler=scheduler, batch_size=batch_size, seed=seed, stop=stop,
                     config=config, max_epochs=max_epochs, target_accuracy=target_accuracy,
-                    target_loss=target_loss, tensorboard=tensorboard)
+                    target_loss=target_loss, tensorboard=tensorboard, checkpoint=checkpoint,
+                    resume=resume)
     strategy_instance = _strategy(strategy)[1]
     cfg = config_from_dict(doc)
     if cfg.train.tensorboard and runs_dir is None:
         raise ConfigError("tensorboard=True writes runs_dir/<name>/tensorboard/ beside "
                           "metrics.jsonl: pass runs_dir as well (e.g. runs_dir='runs')")
+    if cfg.train.resume and runs_dir is None:
+        raise ConfigError("resume=True continues from runs_dir/<name>/checkpoint.pt: pass the "
+                          "runs_dir of the run to continue")
     cluster_obj = cluster if isinstance(cluster, Cluster) else load_cluster(cfg.cluster)
     strategy_obj = strategy_instance or make_strategy(cfg.strategy.name, **cfg.strategy.options)
     dataset, from_loader = _unwrap_loader(dataset, "dataset")
@@ -545,6 +559,7 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
 def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer: Any,
               scheduler: str | Mapping[str, Any] | None = None, batch_size: int, seed: int, stop: Mapping[str, Any] | None,
               config: Mapping[str, Mapping[str, Any]] | None, tensorboard: bool = False,
+              checkpoint: bool = True, resume: bool = False,
               **stop_keys: Any) -> dict[str, Any]:
     """The run config document train() validates with config_from_dict."""
     extra = {k: dict(v) for k, v in (config or {}).items()}
@@ -561,6 +576,7 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
         "optimizer": {**_optimizer_table(optimizer), **_scheduler_keys(scheduler),
                       **extra.pop("optimizer", {})},
         "train": {"batch_size": batch_size, "seed": seed, "tensorboard": tensorboard,
+                  "checkpoint": checkpoint, "resume": resume,
                   **extra.pop("train", {})},
         "stop": stop_table, **extra,
     }
@@ -595,6 +611,8 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
                               f"({e}); define them at module level (no lambdas or local "
                               f"classes) and guard the script with `if __name__ == "
                               f"'__main__':`") from e
+    if runs_dir is None:  # the model comes back through a checkpoint in a temporary directory
+        cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint=True))
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
         root = Path(runs_dir) if runs_dir is not None else Path(tmp)
         r = run_config(cfg, runs_root=root, progress=progress, cluster=cluster,
@@ -610,7 +628,7 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
 
 def _check_spawnable(workload: Workload) -> None:
     """Refuse, in one line and before any process starts, what a spawned dist run cannot ship
-    or run: a user callable that does not pickle, and DataLoader workers in daemon processes."""
+    or run: a user callable that does not pickle."""
     callables = (("train_step", workload.train_step), ("eval_fn", workload.eval_fn),
                  ("collate_fn", workload.loader.collate_fn), ("loss_fn", workload.loss_fn),
                  ("worker_init_fn", workload.loader.worker_init_fn))
@@ -625,11 +643,6 @@ def _check_spawnable(workload: Workload) -> None:
                               f"pickling, and {what}={label} cannot be pickled "
                               f"({type(e).__name__}); define it with `def` at module level "
                               "(not a lambda or a nested function)") from e
-    if workload.loader.num_workers > 0:
-        raise ConfigError(f"num_workers={workload.loader.num_workers} cannot be used with "
-                          "engine='dist' in spawned processes (daemon processes cannot start "
-                          "DataLoader workers); use num_workers=0, engine='sim', or launch the "
-                          "ranks with torchrun")
 
 
 # ---- planning for users who keep their own loop -----------------------------------------------

@@ -27,6 +27,8 @@
     compression = "none"                 # none | fp16 | topk | qsgd (pushes)
     eval_every_epochs = 0.25
     tensorboard = false                  # also TensorBoard events (pip install tensorboard)
+    checkpoint = true                    # runs/<name>/checkpoint.pt for --resume (false: none)
+    checkpoint_every = 0                 # also every this many server updates (0: at the end)
 
     [stop]
     max_epochs = 5
@@ -141,6 +143,25 @@ class TrainConfig:
     step = the row's updates; view with `tensorboard --logdir runs`. On the dist engine rank 0
     writes them. Needs the optional tensorboard package (pip install tensorboard), checked
     when the config is read."""
+    checkpoint: bool = True
+    """Write `<runs dir>/<name>/checkpoint.pt` (both engines; nothing without a runs dir):
+    every `checkpoint_every` server updates, when the run ends and on Ctrl-C / SIGTERM, so
+    that `hetrain run --resume` (train.resume) continues the run where it stopped. On by
+    default; false writes none (then the Python API's dist engine returns no model, which it
+    reads back from that file), and a fresh simulator run removes a checkpoint.pt that an
+    earlier run left in its run directory. The simulator's checkpoints change nothing in a
+    run's numbers: a run with them and one without give the same figures."""
+    checkpoint_every: int = 0
+    """With train.checkpoint: also checkpoint every this many server updates; 0: only when the
+    run ends or is stopped (Ctrl-C / SIGTERM, on the dist engine also a lost worker)."""
+    resume: bool = False
+    """Continue from `<runs dir>/<name>/checkpoint.pt` (`hetrain run --resume`): the model, the
+    optimizer, the strategy's state, the data order, the clock and the metrics so far. The
+    simulator saves its whole state (every replica, the tasks in flight, the RNG), so a
+    resumed run goes on exactly as the uncut run would have; the dist engine saves the
+    server's and restarts every worker from the global model. A checkpoint of another
+    workload, cluster, optimizer, strategy or engine is refused; other keys may change (e.g. a
+    larger stop.max_epochs trains a finished run further)."""
 
     def __post_init__(self) -> None:
         validate.check_fields("train", self)
@@ -176,7 +197,9 @@ class StrategyConfig:
 
 @dataclass(frozen=True)
 class DistConfig:
-    """[dist]: how `engine = "dist"` runs (the simulator ignores it; see hetrain.engine.dist)."""
+    """[dist]: how `engine = "dist"` runs (the simulator ignores it; see hetrain.engine.dist).
+    Checkpoints are configured in [train] for both engines; `dist.checkpoint_every` and
+    `dist.resume`, their former place, are still read as train.checkpoint_every / resume."""
 
     backend: str = "gloo"
     """gloo | nccl: the backend of the workers' collectives (ddp, local_sgd); nccl needs every
@@ -200,10 +223,6 @@ class DistConfig:
     """A worker whose push has not come this long after its task was sent is dropped."""
     init_timeout_s: float = 60.0
     """Timeout of process-group initialisation and of collectives."""
-    checkpoint_every: int = 0
-    """Checkpoint the server state every this many server updates (0: only when stopping)."""
-    resume: bool = False
-    """Continue from runs/<name>/checkpoint.pt."""
     master_addr: str = "127.0.0.1"
     """Rendezvous host when hetrain spawns the processes itself."""
     port: int = 0
@@ -277,6 +296,33 @@ def _section(name: str, cls: type, data: Any) -> Any:
     return cls(**kwargs)
 
 
+MOVED_KEYS = {("dist", "checkpoint_every"): ("train", "checkpoint_every"),
+              ("dist", "resume"): ("train", "resume")}
+"""Keys read from their former place (old config files) into the current one."""
+
+
+def _moved_keys(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A document with MOVED_KEYS at their current place; the same key given at both places
+    with different values is refused."""
+    if not any(isinstance(data.get(old), Mapping) and key in data[old]
+               for old, key in MOVED_KEYS):
+        return data
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    for (old, key), (new, new_key) in MOVED_KEYS.items():
+        if not isinstance(out.get(old), dict) or key not in out[old]:
+            continue
+        value = out[old].pop(key)
+        table = out.setdefault(new, {})
+        if not isinstance(table, dict):
+            continue  # _section says that [new] must be a table
+        if new_key in table and table[new_key] != value:
+            raise ConfigError(f"{old}.{key} = {value!r} and {new}.{new_key} = "
+                              f"{table[new_key]!r}: {old}.{key} is the former name of "
+                              f"{new}.{new_key}; give it once, as {new}.{new_key}")
+        table[new_key] = value
+    return out
+
+
 def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None, *,
                      registered_strategy: bool = False) -> RunConfig:
     """Validate a parsed TOML document into a RunConfig: every key, type and range, and the
@@ -292,6 +338,7 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None, *,
     unknown = sorted(set(data) - top)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; allowed: {sorted(top)}")
+    data = _moved_keys(data)
     kwargs: dict[str, Any] = {k: _section(k, cls, data[k]) for k, cls in _SECTIONS.items()
                               if k in data}
     if "strategy" in data:

@@ -44,7 +44,7 @@ def keep_previous_run(run_dir: Path, cfg: RunConfig, quiet: bool = False) -> Pat
     the new results. Not when the run continues the old one (--resume, a torchrun restart)
     and not on ranks other than 0 (they write nothing)."""
     env = os.environ
-    if cfg.dist.resume or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 \
+    if cfg.train.resume or int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 \
             or env.get("RANK", "0") != "0":
         return None
     if not run_dir.is_dir() or not any(run_dir.iterdir()):

@@ -119,6 +119,7 @@ FIELD_LIMITS: dict[str, Limit] = {
     "train.eval_every_epochs": positive(1e6),
     "train.eval_every_s": non_negative(1e9),
     "train.threads": integer(1, 1024),
+    "train.checkpoint_every": integer(0, 10**9),
     "stop.max_epochs": positive(1e6),
     "stop.max_time_s": non_negative(1e9),
     "stop.target_accuracy": Limit(0, 1),
@@ -127,7 +128,6 @@ FIELD_LIMITS: dict[str, Limit] = {
     "dist.contention_k": positive(1e3),
     "dist.worker_timeout_s": positive(1e6),
     "dist.init_timeout_s": positive(1e6),
-    "dist.checkpoint_every": integer(0, 10**9),
     "dist.port": integer(0, 65535),
     "dist.ps_shards": integer(1, 1024),
 }

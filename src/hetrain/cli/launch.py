@@ -156,9 +156,9 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
     dist_cfg = cfg.dist
     if args.port is not None:
         dist_cfg = dataclasses.replace(dist_cfg, port=args.port)
-    if args.resume:
-        dist_cfg = dataclasses.replace(dist_cfg, resume=True)
     cfg = dataclasses.replace(cfg, engine="dist", dist=dist_cfg)
+    if args.resume:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
     if args.nproc:
         n, shards = load_cluster(cfg.cluster).n, cfg.dist.ps_shards
         if args.nproc != n + shards:

@@ -58,9 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override a config value, e.g. --set stop.max_epochs=2 (TOML value)")
     p.add_argument("--runs-dir", default="runs", help="where runs/<name>/ is written")
     p.add_argument("--resume", action="store_true",
-                   help="engine dist: continue from runs/<name>/checkpoint.pt (written every "
-                   "dist.checkpoint_every updates, on Ctrl-C/SIGTERM and when a run loses the "
-                   "workers it needs)")
+                   help="continue from runs/<name>/checkpoint.pt (both engines; written when "
+                   "a run ends, every train.checkpoint_every updates, on Ctrl-C/SIGTERM and "
+                   "when a dist run loses the workers it needs)")
     p.add_argument("--port", type=int, default=None,
                    help="engine dist: rendezvous port on dist.master_addr (default: "
                    "dist.port, 0 = a free one)")
@@ -132,10 +132,7 @@ def main(args: argparse.Namespace) -> int:
     if args.engine:
         configs = [dataclasses.replace(c, engine=args.engine) for c in configs]
     if args.resume:
-        if any(c.engine != "dist" for c in configs):
-            raise ConfigError("--resume continues a dist run from its checkpoint: add "
-                              "--engine dist (the simulator writes no checkpoints)")
-        configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, resume=True))
+        configs = [dataclasses.replace(c, train=dataclasses.replace(c.train, resume=True))
                    for c in configs]
     if args.port is not None:
         configs = [dataclasses.replace(c, dist=dataclasses.replace(c.dist, port=args.port))

@@ -1,6 +1,6 @@
-"""Checkpoint/resume of the server (rank 0) state of a dist run: runs/<name>/checkpoint.pt.
+"""Checkpoint/resume of a run: runs/<name>/checkpoint.pt, one format for both engines.
 
-What a resumed run needs to continue where it stopped: the global model and the server's
+The dist engine saves the server (rank 0) state. What a resumed run needs to continue where it stopped: the global model and the server's
 optimizer (its momentum), the model version, the strategy object itself (its plan, stage,
 buffers, clocks: strategies are plain picklable state machines), the data owner (its RNG and
 position in the epoch permutation, so no sample is repeated or skipped beyond the tasks that
@@ -11,6 +11,12 @@ momentum, which is what a replacement machine would do.
 Checkpoints are taken right after a server update, before anyone is released, so a barrier
 strategy has no half-collected round in it; on resume every live worker is released afresh.
 Writes go to a temporary file renamed into place, so a crash mid-write keeps the old one.
+
+The simulator saves the same fields plus `sim`, the rest of its state between two events
+(every replica's model and optimizer, the tasks in flight and the pushes buffered at the
+server, the event queue, the error-feedback residuals, the clocks of the links, the torch
+RNG; `hetrain.engine.sim`), so its resumed run repeats the uncut run exactly. A checkpoint
+is refused by the other engine (`engine` names the writer).
 
 The file is a torch.save of tensors and plain data only: the state goes through
 `hetrain.engine.codec` (a JSON tree naming allowlisted hetrain types + a list of tensors), and
@@ -23,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,10 @@ class ServerState:
     job: str = ""
     """The torchrun job that wrote it (TORCHELASTIC_RUN_ID): a restart of that job resumes
     from it by itself (`hetrain.engine.dist.restarted_job_resumes`)."""
+    engine: str = "dist"
+    """The engine that wrote it (and alone can resume it)."""
+    sim: dict[str, Any] = field(default_factory=dict)
+    """engine "sim": the simulator's state besides the fields above (`Simulator.state`)."""
 
 
 def checkpoint_path(run_dir: str | Path) -> Path:
@@ -92,17 +102,18 @@ def _lookup(config: dict[str, Any], dotted: str) -> Any:
 
 
 def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
-                    config: dict[str, Any] | None = None) -> ServerState:
+                    config: dict[str, Any] | None = None, engine: str = "dist") -> ServerState:
     """Read a checkpoint back; errors name the file and what to do. With `config` (the
     resumed run's `RunConfig.to_dict()`), refuse a checkpoint of another workload, cluster,
-    optimizer or strategy."""
+    optimizer or strategy; always one of another engine than `engine`."""
     if run_dir is None:
-        raise ConfigError("dist.resume = true needs a run directory (runs_root is None)")
+        raise ConfigError("train.resume = true needs a run directory (runs_root is None)")
     path = checkpoint_path(run_dir)
     if not path.is_file():
-        raise ConfigError(f"dist.resume = true but there is no checkpoint at '{path}'; run "
-                          "without --resume first (checkpoints are written every "
-                          "dist.checkpoint_every updates and when a run stops)")
+        raise ConfigError(f"train.resume = true but there is no checkpoint at '{path}'; run "
+                          "without --resume first (checkpoints are written when a run stops "
+                          "and every train.checkpoint_every updates, unless train.checkpoint "
+                          "= false)")
     try:
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many kinds for a bad zip, pickle or tensor record
@@ -116,6 +127,9 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
         state = ServerState(**fields)
     except (codec.CodecError, KeyError, TypeError, ValueError) as e:
         raise _unreadable(path, str(e)[:160]) from None
+    if state.engine != engine:
+        raise ConfigError(f"checkpoint '{path}' was written by the {state.engine} engine; "
+                          f"resume it with engine = \"{state.engine}\", or start afresh")
     got = getattr(state.strategy, "name", "?")
     if got != strategy_name:
         raise ConfigError(f"checkpoint '{path}' is of strategy '{got}', but the config says "

@@ -5,8 +5,8 @@ Rank 0 is the parameter server, data owner and coordinator (`dist_server.Coordin
 strategies use point-to-point messages (receive from whichever worker pushes first);
 all-reduce strategies (ddp, local_sgd) all-reduce among a process group of the worker ranks.
 Switch a config from the simulator to real processes with `engine = "dist"`; the [dist]
-table (backend, emulate, time_scale, worker_timeout_s, checkpoint_every, resume, port,
-ps_shards) tunes it. `ps_shards = S > 1` (PS strategies only) splits the parameters into S
+table (backend, emulate, time_scale, worker_timeout_s, port, ps_shards) tunes it;
+train.checkpoint / checkpoint_every / resume set its checkpoints, as on the simulator. `ps_shards = S > 1` (PS strategies only) splits the parameters into S
 blocks served by rank 0 and ranks n+1..n+S-1 (`dist_shard.Shard`), so no single server
 carries every worker's full pulls and pushes.
 
@@ -394,7 +394,7 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
                 faults: FaultPlan | None = None) -> RunResult:
     """Run rank 0 in this process and spawn the workers on this machine."""
     cfg_d = cfg.dist
-    if cfg_d.resume:
+    if cfg.train.resume:
         if strategy is not None:
             codec.allow(type(strategy))
         check_ps_shards(load_checkpoint(run_dir, cfg.strategy.name if strategy is None
@@ -409,7 +409,12 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         for rank in range(1, world):
             mine, theirs = ctx.Pipe()
             rv = Rendezvous(rank, world, cfg_d.master_addr, port, secret=secret)
-            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=True,
+            # Not daemonic, so that a worker can start DataLoader workers (loader
+            # num_workers > 0). Daemonic would only add multiprocessing's terminate at this
+            # process's normal exit, and `_reap` (the finally below, however rank 0's part
+            # ends) has already joined or killed every worker by then; a SIGKILLed rank 0
+            # runs neither. Workers also stop by themselves when rank 0's connection breaks.
+            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=False,
                             name=f"hetrain-worker-{rank}")
             p.start()
             procs.append(p)
@@ -465,7 +470,7 @@ def restarted_job_resumes(run_dir: Path | None, cfg: RunConfig) -> bool:
     from that checkpoint (with a fresh worker in the failed one's place). Only a checkpoint of
     this same job counts: a run of the same name from another job starts afresh."""
     env = os.environ
-    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1 or cfg.dist.resume:
+    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) < 1 or cfg.train.resume:
         return False
     if run_dir is None or not checkpoint_path(run_dir).is_file():
         return False
@@ -492,7 +497,7 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         if env["RANK"] == "0" and restarted_job_resumes(run_dir, cfg):
-            cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, resume=True))
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
         rv = Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")),
                         from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",

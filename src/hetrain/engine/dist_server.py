@@ -172,7 +172,7 @@ class Coordinator:
     def checkpoint(self) -> Path | None:
         """Save the server state as of the last update; None if there is no run dir or no
         worker left to fetch an all-reduced model from."""
-        if self.run_dir is None:
+        if self.run_dir is None or not self.cfg.train.checkpoint:
             return None
         if self.allreduce and self.server.version > 0:
             waiting = sorted(self.live - self.busy)
@@ -307,7 +307,7 @@ class Coordinator:
             self._evaluate()
         if self._should_stop():
             self.done = True
-        every = self.cfg.dist.checkpoint_every
+        every = self.cfg.train.checkpoint_every
         if every and self.updates_since_ckpt >= every and not self.done:
             self.checkpoint()
 
@@ -443,7 +443,7 @@ class Coordinator:
             return self._finish()
 
     def _start(self) -> None:
-        if self.cfg.dist.resume:
+        if self.cfg.train.resume:
             self._restore()
         self._snapshot()
         self._send_setup()
@@ -508,6 +508,8 @@ class Coordinator:
                     f"and --resume)")
         if self.run_dir is None:
             return "; no checkpoint (the run has no run folder)"
+        if not self.cfg.train.checkpoint:
+            return "; no checkpoint (train.checkpoint = false)"
         return "; no checkpoint could be written (no worker left holds the model)"
 
     def _drain(self) -> None:

@@ -145,6 +145,7 @@ class Worker:
                 for rank in self.shard_ranks:  # ends the shard's receiver of my messages
                     send_obj({"kind": "bye"}, rank)
                 self._send({"kind": "bye"})
+                self.replica.loader.close()  # its DataLoader workers, if any (num_workers > 0)
                 return
             if kind == "task":
                 if "apply_weight" in msg:  # the last round's all-reduce rides with the task

@@ -8,13 +8,24 @@ NIC when the cluster has one, and on the PS process's per-message time `ps_messa
 Because a worker's result depends only on the model it was sent, its task is computed eagerly
 when it is released and its push is scheduled at the virtual time it would finish. Events at
 equal times are ordered by a sequence number, so a run is deterministic for a seed.
+
+Checkpoints (train.checkpoint, on by default with a run directory) are taken between two
+events: every train.checkpoint_every server updates, at the end of the run and, on SIGINT /
+SIGTERM, before it stops (`RunInterrupted`). They hold the whole state (`Simulator.state`:
+`hetrain.engine.checkpoint` format, read without unpickling), so a resumed run
+(train.resume) continues exactly as the uncut run would have, row for row (with
+DataLoader workers, loader num_workers > 0, a resumed run draws their seeds afresh). Taking
+one reads the state only: a run's numbers are the same with checkpoints or without.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import heapq
+import signal
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +33,13 @@ from typing import Any
 import torch
 
 from hetrain.compress import Compressed, ErrorFeedback
+from hetrain.engine import codec
+from hetrain.engine.checkpoint import (
+    ServerState,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hetrain.engine.core import (
     Buffered,
     DataOwner,
@@ -32,7 +50,9 @@ from hetrain.engine.core import (
     schedule_metrics,
     take_applied,
 )
+from hetrain.engine.devices import host_tree
 from hetrain.engine.setup import Prepared
+from hetrain.engine.signals import RunInterrupted, StopSignal
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
 from hetrain.strategies import Decision, Push, WorkTask
@@ -97,9 +117,6 @@ class Simulator:
                                   f"(topk, fp16); '{prep.compressor.name}' is not one")
             self.shadow = [init.clone() for _ in range(cluster.n)]
         self.owner = DataOwner(prep.ctx.train_samples, cfg.train.seed)
-        self.log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
-                              cfg.stop.target_accuracy, cfg.stop.target_loss,
-                              tensorboard=cfg.train.tensorboard)
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.inflight: dict[int, _InFlight] = {}
@@ -117,6 +134,27 @@ class Simulator:
         self.recent_losses: list[float] = []
         self.now = 0.0
         self.done = False
+        self.unreleased: tuple[list[int], float, float] = ([], 0.0, 0.0)
+        """The releases of the Decision the run stopped at (not made: the run ended)."""
+        self.run_dir = run_dir
+        self.checkpointing = run_dir is not None and cfg.train.checkpoint
+        """train.checkpoint with a run directory: write runs/<name>/checkpoint.pt."""
+        self.updates_since_ckpt = 0
+        self.checkpoint_due = False
+        self.stop_signal = StopSignal()
+        self.resumed = False
+        if self.checkpointing or cfg.train.resume:
+            codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
+        st = self._restore() if cfg.train.resume else None  # before the metrics files change
+        if st is None and run_dir is not None and not cfg.train.checkpoint:
+            checkpoint_path(run_dir).unlink(missing_ok=True)  # an earlier run's, not this one's
+        self.log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
+                              cfg.stop.target_accuracy, cfg.stop.target_loss,
+                              tensorboard=cfg.train.tensorboard)
+        if st is not None:
+            self.log.workers = st.workers
+            self.log.tta_s, self.log.tta_samples = st.tta
+            self.log.restore(st.rows, st.version)  # re-write the metrics files of the run so far
 
     # ---- clock model ------------------------------------------------------------------------
     def _schedule(self, t: float, kind: int, payload: Any) -> None:
@@ -216,6 +254,9 @@ class Simulator:
         if decision.apply:
             self._apply(decision, t)
         if self.done:
+            # Kept for a resumed run that goes further (a larger stop.max_epochs): it makes
+            # these releases first, as this run would have without its stop.
+            self.unreleased = (list(decision.release), t, collective_s)
             return
         for w in decision.release:
             self._release(w, t, collective_s)
@@ -225,11 +266,15 @@ class Simulator:
         self.applied_samples += samples
         self.server.apply(items)
         self.now = t
+        self.updates_since_ckpt += 1
         if (t >= self.next_eval_s if self.eval_every_s > 0
                 else self.applied_samples >= self.next_eval):
             self._evaluate(t)
         if self._should_stop(t):
             self.done = True
+        every = self.p.cfg.train.checkpoint_every
+        if every and self.updates_since_ckpt >= every and not self.done:
+            self.checkpoint_due = True  # taken once this event is handled (`_run`)
 
     def _should_stop(self, t: float) -> bool:
         stop = self.p.cfg.stop
@@ -266,20 +311,35 @@ class Simulator:
             self.log.close()
 
     def _run(self) -> RunResult:
-        self._evaluate(0.0)
-        for w in range(self.p.cluster.n):
-            self._release(w, 0.0)
-        while self.events and not self.done:
-            t, _, kind, payload = heapq.heappop(self.events)
-            if kind == PUSH_START:
-                self._push_start(payload, t)
-            elif kind == PUSH_ARRIVE:
-                self._push_arrive(payload, t)
+        with self._signals():
+            if self.resumed:
+                self.done = self._should_stop(self.now)  # the config may stop later now
+                if not self.done:
+                    workers, t, collective_s = self.unreleased
+                    self.unreleased = ([], 0.0, 0.0)
+                    for w in workers:
+                        self._release(w, t, collective_s)
             else:
-                decision, ar = payload
-                self._decide(decision, t, collective_s=ar)
-        if self.log.rows[-1]["samples"] != self.applied_samples:
-            self._evaluate(self.now)
+                self._evaluate(0.0)
+                for w in range(self.p.cluster.n):
+                    self._release(w, 0.0)
+            while self.events and not self.done:
+                t, _, kind, payload = heapq.heappop(self.events)
+                if kind == PUSH_START:
+                    self._push_start(payload, t)
+                elif kind == PUSH_ARRIVE:
+                    self._push_arrive(payload, t)
+                else:
+                    decision, ar = payload
+                    self._decide(decision, t, collective_s=ar)
+                # Between two events: the state is whole, a checkpoint can be taken.
+                if self.checkpoint_due:
+                    self.checkpoint()
+                if self.stop_signal.signum is not None:
+                    self._interrupted()
+            if self.log.rows[-1]["samples"] != self.applied_samples:
+                self._evaluate(self.now)
+            self.checkpoint()
         # Work never applied: tasks in flight at the stop (pushing or not) and pushes buffered
         # at the server that no Decision applied. With applied_samples they account for every
         # sample drawn from the data owner.
@@ -295,6 +355,121 @@ class Simulator:
                  "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
                  "strategy_stats": self.strategy.stats(), "config": self.p.cfg.to_dict()}
         return self.log.summarise(time_s=self.now, ideal_samples_per_s=ideal, extra=extra)
+
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """While a run that checkpoints lasts, SIGINT/SIGTERM are recorded and handled between
+        two events (`_interrupted`); a second one stops at once. Without checkpoints Ctrl-C is
+        Python's KeyboardInterrupt, as it always was."""
+        if not self.checkpointing:
+            yield
+            return
+        with self.stop_signal.installed():
+            self.stop_signal.stopping()  # the first signal is recorded, a second one raises
+            yield
+
+    def _interrupted(self) -> None:
+        path = self.checkpoint()
+        signum = self.stop_signal.signum
+        assert signum is not None and path is not None
+        raise RunInterrupted(f"run '{self.p.cfg.name}' stopped by {signal.Signals(signum).name}"
+                             f" at {self.now:.2f} virtual s; checkpoint of its state: {path} "
+                             "(continue with the same command and --resume)", signum)
+
+    def checkpoint(self) -> Path | None:
+        """Write the whole state to runs/<name>/checkpoint.pt (None: not checkpointing)."""
+        self.checkpoint_due = False
+        self.updates_since_ckpt = 0
+        if not self.checkpointing:
+            return None
+        assert self.run_dir is not None
+        return save_checkpoint(self.run_dir, self.state())
+
+    def state(self) -> ServerState:
+        """Everything a resumed run needs, between two events: the dist engine's fields, and in
+        `sim` the replicas, the event queue, the tasks in flight, the buffered pushes, the
+        error-feedback residuals, the compressed pulls' shadows, the link clocks and the RNG
+        states. Reading it changes nothing (no RNG is drawn)."""
+        generator = getattr(self.p.compressor, "generator", None)
+        sim = {
+            "replicas": [{"model": host_tree(rep.model.state_dict()),
+                          "optimizer": host_tree(rep.optimizer.state_dict()),
+                          "scaler": dict(vars(rep.scaler))} for rep in self.replicas],
+            "residuals": [f.residual for f in self.feedback],
+            "shadow": self.shadow,
+            "events": list(self.events), "seq": self._seq,
+            "inflight": {w: dict(vars(f)) for w, f in self.inflight.items()},
+            "buffered": {w: list(q) for w, q in self.buffered.items()},
+            "ready_at": list(self.ready_at), "nic_free": dict(self.nic_free),
+            "ps_busy_until": self.ps_busy_until, "next_eval_s": self.next_eval_s,
+            "recent_losses": list(self.recent_losses), "unreleased": self.unreleased,
+            "torch_rng": torch.get_rng_state(),
+            "compressor_rng": generator.get_state() if isinstance(generator, torch.Generator)
+            else None,
+        }
+        return ServerState(
+            model=host_tree(self.server.model.state_dict()),
+            optimizer=host_tree(self.server.optimizer.state_dict()),
+            version=self.server.version, strategy=self.strategy, owner=self.owner,
+            applied_samples=self.applied_samples, next_eval=self.next_eval,
+            elapsed_s=self.now, rows=list(self.log.rows),
+            workers=[dataclasses.replace(w) for w in self.log.workers],
+            tta=(self.log.tta_s, self.log.tta_samples), lost=[],
+            config=self.p.cfg.to_dict(), engine="sim", sim=sim)
+
+    def _restore(self) -> ServerState:
+        """Continue from runs/<name>/checkpoint.pt (train.resume): everything but the metrics
+        log, which the caller restores from the state returned. A checkpoint of another
+        workload, cluster, optimizer, strategy or engine, or one whose state does not fit this
+        run, is one ConfigError (before any file of the run is touched)."""
+        cfg = self.p.cfg
+        st = load_checkpoint(self.run_dir, self.strategy.name, cfg.to_dict(), engine="sim")
+        path = checkpoint_path(self.run_dir)  # type: ignore[arg-type]
+        try:
+            self._load_state(st)
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+            why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise ConfigError(f"checkpoint '{path}' does not fit this run ({why}); resume "
+                              "with the config that wrote it, or start afresh") from None
+        self.resumed = True
+        return st
+
+    def _load_state(self, st: ServerState) -> None:
+        s, n = st.sim, self.p.cluster.n
+        if len(s["replicas"]) != n or len(st.workers) != n:
+            raise ValueError(f"it holds {len(s['replicas'])} workers, the cluster has {n}")
+        self.server.model.load_state_dict(st.model)
+        self.server.optimizer.load_state_dict(st.optimizer)
+        self.server.version = st.version
+        self.strategy, self.owner = st.strategy, st.owner
+        for rep, r in zip(self.replicas, s["replicas"], strict=True):
+            rep.model.load_state_dict(r["model"])
+            rep.optimizer.load_state_dict(r["optimizer"])
+            rep.scaler.__dict__.update(r["scaler"])
+        for f, residual in zip(self.feedback, s["residuals"], strict=True):
+            f.residual = residual
+        if self.shadow is not None:
+            self.shadow = s["shadow"] or [self.server.params() for _ in range(n)]
+        self.events = [tuple(e) for e in s["events"]]
+        heapq.heapify(self.events)  # already a heap, unless the file was edited
+        self._seq = s["seq"]
+        self.inflight = {w: _InFlight(**f) for w, f in s["inflight"].items()}
+        self.buffered = {w: deque(s["buffered"].get(w, ())) for w in range(n)}
+        self.ready_at, self.nic_free = list(s["ready_at"]), dict(s["nic_free"])
+        self.ps_busy_until, self.next_eval_s = s["ps_busy_until"], s["next_eval_s"]
+        self.recent_losses = list(s["recent_losses"])
+        workers, t, collective_s = s["unreleased"]
+        self.unreleased = (list(workers), float(t), float(collective_s))
+        self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
+        self.now = st.elapsed_s
+        generator = getattr(self.p.compressor, "generator", None)
+        if isinstance(generator, torch.Generator) and s["compressor_rng"] is not None:
+            generator.set_state(s["compressor_rng"])
+        torch.set_rng_state(s["torch_rng"])
+        if not (isinstance(st.rows, list) and st.rows and len(st.tta) == 2):
+            raise ValueError("it holds no evaluation rows")
 
 
 def simulate(prep: Prepared, run_dir: Path | None = None,
