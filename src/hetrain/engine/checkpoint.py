@@ -1,12 +1,12 @@
 """Checkpoint/resume of a run: runs/<name>/checkpoint.pt, one format for both engines.
 
-The dist engine saves the server (rank 0) state. What a resumed run needs to continue where it stopped: the global model and the server's
-optimizer (its momentum), the model version, the strategy object itself (its plan, stage,
-buffers, clocks: strategies are plain picklable state machines), the data owner (its RNG and
-position in the epoch permutation, so no sample is repeated or skipped beyond the tasks that
-were in flight), the metrics so far and the wall time already spent. Workers' inner optimizer
-state is not saved: a resumed worker starts its replica from the global model with fresh
-momentum, which is what a replacement machine would do.
+The dist engine saves the server (rank 0) state. What a resumed run needs to continue where it
+stopped: the global model and the server's optimizer (its momentum), the model version, the
+strategy object itself (its plan, stage, buffers, clocks: strategies are plain picklable state
+machines), the data owner (its RNG and position in the epoch permutation, so no sample is
+repeated or skipped beyond the tasks that were in flight), the metrics so far and the wall time
+already spent. Workers' inner optimizer state is not saved: a resumed worker starts its replica
+from the global model with fresh momentum, which is what a replacement machine would do.
 
 Checkpoints are taken right after a server update, before anyone is released, so a barrier
 strategy has no half-collected round in it; on resume every live worker is released afresh.
