@@ -89,6 +89,19 @@ def test_the_noise_scale_grows_the_batch_gradually_and_without_flapping() -> Non
     assert len(s.switches) <= n + 1
 
 
+def test_the_logged_lr_scale_is_the_one_tasks_run_with() -> None:
+    """Between switches the plan is re-evaluated at each check's noise estimate, but the lr is
+    the one set at the last switch: the metrics log that one."""
+    s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1, noise_ema_weight=1.0)
+    s.setup(_ctx(preset("hetero-4")))
+    applied = s.lr_scale
+    _run_rounds(s, 200, noise=24.0)
+    assert len(s.switches) == 1                               # the setup plan, no switch
+    assert s.goodput_plan.lr_scale != pytest.approx(applied)  # re-evaluated at noise 24
+    task = s.next_task(sorted(s._members)[0])
+    assert s.metrics()["lr_scale"] == task.lr_scale == applied
+
+
 def test_adam_scales_the_lr_by_the_square_root_of_the_gain() -> None:
     from dataclasses import replace
 

@@ -303,7 +303,9 @@ class Auto(CADP):
                 "planned_noise_scale": plan.noise_scale if plan else None,
                 "global_batch": plan.global_batch if plan else None,
                 "local_steps": plan.local_steps if plan else None,
-                "lr_scale": plan.lr_scale if plan else None}
+                # the scale tasks run with, set at the last switch (the plan's own figure is
+                # re-evaluated at every check's noise estimate and would not be the lr used)
+                "lr_scale": self.lr_scale if plan else None}
 
     def stats(self) -> dict[str, float | int | str]:
         out = super().stats()
