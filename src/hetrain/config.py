@@ -94,9 +94,12 @@ class OptimizerConfig:
     updates applied (the model version), identically on both engines: the workers' lr (delta
     strategies: optimizer.lr x the strategy's lr scale x the schedule's factor) and the
     server's (gradient strategies: optimizer.lr x the factor). The server's outer step of
-    delta strategies (DiLoCo-style outer lr) is not scheduled. Schedulers that need a metric
-    (ReduceLROnPlateau) or callables / other schedulers (LambdaLR, MultiplicativeLR,
-    SequentialLR, ChainedScheduler) cannot be used. Evaluation rows get an `lr` column."""
+    delta strategies (DiLoCo-style outer lr) is not scheduled. SequentialLR and
+    ChainedScheduler take their sub-schedulers as tables in scheduler_options.schedulers,
+    e.g. {schedulers = [{name = "LinearLR", start_factor = 0.1, total_iters = 5}, {name =
+    "CosineAnnealingLR", T_max = 95}], milestones = [5]}. Schedulers that need a metric
+    (ReduceLROnPlateau) or callables (LambdaLR, MultiplicativeLR) cannot be used. Evaluation
+    rows get an `lr` column."""
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     """The scheduler's keyword arguments besides the optimizer, e.g. {step_size = 100, gamma
     = 0.5} for StepLR (steps are global steps). Learning rates among them (eta_min, max_lr,

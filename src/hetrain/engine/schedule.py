@@ -11,6 +11,10 @@ Because the dummy's base lr is 1.0, options that are learning rates (eta_min, ma
 base_lr of CyclicLR) are given as FACTORS of optimizer.lr: eta_min = 0.01 means
 0.01 x optimizer.lr.
 
+SequentialLR and ChainedScheduler take their sub-schedulers as tables, {"name": ..., **its
+options} in scheduler_options.schedulers; they are built with torch's own classes on the same
+dummy optimizer, in order, as a torch user would build them.
+
 Schedulers that cannot be driven by the step count alone are refused (`REFUSED`).
 """
 
@@ -31,12 +35,28 @@ REFUSED: dict[str, str] = {
     "ReduceLROnPlateau": "it steps on a metric (a loss), not on the global step",
     "LambdaLR": "it needs a Python callable, which a config cannot hold",
     "MultiplicativeLR": "it needs a Python callable, which a config cannot hold",
-    "SequentialLR": "it composes other scheduler objects, which a config cannot hold",
-    "ChainedScheduler": "it composes other scheduler objects, which a config cannot hold",
     "LRScheduler": "it is the abstract base class",
     "_LRScheduler": "it is the abstract base class",
 }
 """torch schedulers a global-step schedule cannot use, and why."""
+
+COMPOSITES = ("SequentialLR", "ChainedScheduler")
+"""Schedulers of sub-schedulers, given as tables in scheduler_options.schedulers."""
+
+
+def _build(optimizer: torch.optim.Optimizer, name: str,
+           options: Mapping[str, Any]) -> lr_scheduler.LRScheduler:
+    """torch's scheduler `name` on `optimizer`; a composite's sub-schedulers first, in order,
+    on the same optimizer (as torch's documentation builds them)."""
+    cls = scheduler_class(name)
+    if name not in COMPOSITES:
+        return cls(optimizer, **options)
+    rest = {k: v for k, v in options.items() if k != "schedulers"}
+    subs = [_build(optimizer, sub["name"], {k: v for k, v in sub.items() if k != "name"})
+            for sub in options.get("schedulers", [])]
+    if name == "ChainedScheduler":
+        return cls(subs, optimizer=optimizer, **rest)
+    return cls(optimizer, schedulers=subs, **rest)
 
 
 def scheduler_names() -> list[str]:
@@ -46,13 +66,15 @@ def scheduler_names() -> list[str]:
                   and n not in REFUSED)
 
 
-def scheduler_class(name: str) -> type[lr_scheduler.LRScheduler]:
-    """The class `name` names, or a ConfigError saying why not and what may be named."""
+def scheduler_class(name: str, key: str = "optimizer.scheduler"
+                    ) -> type[lr_scheduler.LRScheduler]:
+    """The class `name` names, or a ConfigError saying why not and what may be named (`key`:
+    where the name was given)."""
     if name in REFUSED:
-        raise ConfigError(f"optimizer.scheduler = {name!r} cannot be used: {REFUSED[name]}; "
+        raise ConfigError(f"{key} = {name!r} cannot be used: {REFUSED[name]}; "
                           f"choose one of: {', '.join(scheduler_names())}")
     if name not in scheduler_names():
-        raise ConfigError(f"optimizer.scheduler = {name!r} is not a torch.optim.lr_scheduler "
+        raise ConfigError(f"{key} = {name!r} is not a torch.optim.lr_scheduler "
                           f"scheduler; choose one of: {', '.join(scheduler_names())} "
                           "(or leave it empty for a constant lr)")
     return getattr(lr_scheduler, name)
@@ -77,11 +99,10 @@ class LrSchedule:
         self._start()
 
     def _start(self) -> None:
-        cls = scheduler_class(self.name)
         self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._scheduler = cls(self._optimizer, **self.options)
+            self._scheduler = _build(self._optimizer, self.name, self.options)
         self._factors: deque[float] = deque([self._scheduler.get_last_lr()[0]],
                                             maxlen=self.cache)
         self._last = 0
@@ -114,14 +135,16 @@ class LrSchedule:
             self._advance()
         return self._factors[step - self._last - 1]
 
-    def check(self, steps: int = 2) -> None:
-        """ConfigError unless the first `steps` factors are finite and >= 0."""
+    def check(self, steps: int = 2, what: str | None = None) -> None:
+        """ConfigError unless the first `steps` factors are finite and >= 0 (`what`: the
+        scheduler as the error names it)."""
         for k in range(steps + 1):
             f = self.factor(k)
             if not (math.isfinite(f) and f >= 0):
-                raise ConfigError(f"optimizer.scheduler {self.name} with "
-                                  f"scheduler_options {self.options} gives lr factor {f} at "
-                                  f"step {k}; a factor must be finite and >= 0")
+                what = what or (f"optimizer.scheduler {self.name} with scheduler_options "
+                                f"{self.options}")
+                raise ConfigError(f"{what} gives lr factor {f} at step {k}; a factor must be "
+                                  "finite and >= 0")
 
 
 def make_schedule(name: str, options: Mapping[str, Any] | None = None) -> LrSchedule | None:
