@@ -134,8 +134,14 @@ def test_a_valid_scheduler_loads() -> None:
 @pytest.mark.parametrize(("table", "match"), [
     ({"scheduler": "NoSuchLR"}, r"not a torch\.optim\.lr_scheduler.*choose one of:.*StepLR"),
     ({"scheduler": "ReduceLROnPlateau"}, r"cannot be used: it steps on a metric"),
-    ({"scheduler": "LambdaLR"}, r"cannot be used: it needs a Python callable"),
-    ({"scheduler": "MultiplicativeLR"}, r"cannot be used: it needs a Python callable"),
+    ({"scheduler": "LambdaLR"}, r"'LambdaLR' needs optimizer\.scheduler_options\.lr_lambda, "
+                                 r"a Python callable.*TOML.*use the Python API: hetrain\.train"),
+    ({"scheduler": "MultiplicativeLR", "scheduler_options": {"lr_lambda": "0.9"}},
+     r"'MultiplicativeLR' needs .*lr_lambda, a Python callable \(got '0\.9'\).*Python API"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2}, {"name": "LambdaLR"}],
+        "milestones": [3]}},
+     r"schedulers\[1\]\.name = 'LambdaLR' needs .*schedulers\[1\]\.lr_lambda.*Python API"),
     ({"scheduler": "SequentialLR"}, r"SequentialLR needs scheduler_options\.schedulers.*"
                                      r"milestones = \[5\]"),
     ({"scheduler": "ChainedScheduler", "scheduler_options": {"schedulers": []}},
@@ -355,3 +361,64 @@ def test_sim_sequential_lr_column_follows_torch(mnist1d_cnn_small) -> None:
     assert len({row["lr"] for row in rows}) > 2, rows
     for row in rows:
         assert row["lr"] == pytest.approx(0.05 * factors[row["updates"]], rel=1e-12), row
+
+
+# ---- LambdaLR / MultiplicativeLR: a callable from the Python API --------------------------
+def warmup(step: int) -> float:
+    """A module-level lr_lambda (picklable): linear warmup over 4 steps, then 0.9^step."""
+    return (step + 1) / 4 if step < 3 else 0.9 ** step
+
+
+def shrink(step: int) -> float:
+    return 0.8 if step % 2 else 1.0
+
+
+@pytest.mark.parametrize(("name", "fn"), [("LambdaLR", warmup), ("MultiplicativeLR", shrink)])
+def test_callable_factors_equal_torch(name: str, fn) -> None:
+    expected = torch_factors(name, {"lr_lambda": fn}, 20)
+    sched = LrSchedule(name, {"lr_lambda": fn}, cache=3)
+    order = [7, 3, 15, 0, 19, 2, 11, 1]
+    assert [sched.factor(k) for k in order] == [expected[k] for k in order]
+    if name == "LambdaLR":
+        assert expected == [warmup(k) for k in range(20)]
+
+
+def test_sim_lambda_lr_column_is_the_lambda(tmp_path, mnist1d_cnn_small) -> None:
+    """A callable in the config (as hetrain.train puts it there): the lr column is
+    optimizer.lr x fn(updates); the record names the callable."""
+    cfg = make_cfg("ddp", scheduler={"scheduler": "LambdaLR",
+                                     "scheduler_options": {"lr_lambda": warmup}})
+    r = run_config(cfg, runs_root=tmp_path, workload=mnist1d_cnn_small)
+    assert len({row["lr"] for row in r.rows}) > 2, r.rows
+    for row in r.rows:
+        assert row["lr"] == pytest.approx(0.05 * warmup(row["updates"]), rel=1e-12), row
+    summary = json.loads((tmp_path / cfg.name / "summary.json").read_text())
+    assert summary["config"]["optimizer"]["scheduler_options"] == {
+        "lr_lambda": f"<callable {__name__}.warmup>"}
+
+
+def test_api_lambda_and_multiplicative_on_the_simulator() -> None:
+    import hetrain
+    from test_api import QUICK, TEST, TRAIN, Tiny
+
+    for name, fn in (("LambdaLR", warmup), ("MultiplicativeLR", shrink)):
+        r = hetrain.train(Tiny(), TRAIN, test_dataset=TEST,
+                          **{**QUICK, "max_epochs": 0.3, "strategy": "ddp",
+                             "scheduler": {"name": name, "lr_lambda": fn}})
+        last = max(row["updates"] for row in r.rows)
+        factors = torch_factors(name, {"lr_lambda": fn}, last + 1)
+        assert len({row["lr"] for row in r.rows}) > 1, r.rows
+        for row in r.rows:
+            assert row["lr"] == pytest.approx(0.1 * factors[row["updates"]], rel=1e-12), row
+
+
+def test_api_unpicklable_lr_lambda_is_refused_before_dist_spawns() -> None:
+    import hetrain
+    from test_api import QUICK, TEST, TRAIN, Tiny
+
+    with pytest.raises(ConfigError, match=r"scheduler\.lr_lambda=.*<lambda> cannot be pickled"
+                       ) as e:
+        hetrain.train(Tiny(), TRAIN, test_dataset=TEST, engine="dist",
+                      **{**QUICK, "max_epochs": 0.1,
+                         "scheduler": {"name": "LambdaLR", "lr_lambda": lambda s: 0.9 ** s}})
+    assert "\n" not in str(e.value)

@@ -495,9 +495,14 @@ def _check_composite(name: str, options: Mapping[str, Any]) -> None:
 def _check_one_scheduler(name: str, options: Mapping[str, Any], key: str, opts_key: str
                          ) -> None:
     """One scheduler: `key` names where its name was given, `opts_key` its options."""
-    from hetrain.engine.schedule import LrSchedule, scheduler_class
+    from hetrain.engine.schedule import CALLABLES, LrSchedule, scheduler_class
 
     scheduler_class(name, key)
+    if name in CALLABLES and not callable(options.get("lr_lambda")):
+        raise ConfigError(f"{key} = {name!r} needs {opts_key}.lr_lambda, a Python callable "
+                          f"(got {options.get('lr_lambda')!r}), which a TOML config cannot "
+                          f"hold; use the Python API: hetrain.train(scheduler={{'name': "
+                          f"'{name}', 'lr_lambda': fn}})")
     for k in ("optimizer", "last_epoch"):
         if k in options:
             raise ConfigError(f"{opts_key}.{k} cannot be set: hetrain steps "

@@ -13,7 +13,10 @@ base_lr of CyclicLR) are given as FACTORS of optimizer.lr: eta_min = 0.01 means
 
 SequentialLR and ChainedScheduler take their sub-schedulers as tables, {"name": ..., **its
 options} in scheduler_options.schedulers; they are built with torch's own classes on the same
-dummy optimizer, in order, as a torch user would build them.
+dummy optimizer, in order, as a torch user would build them. LambdaLR and MultiplicativeLR take
+their lr_lambda, a Python callable, from the Python API (hetrain.train(scheduler={"name":
+"LambdaLR", "lr_lambda": fn})); it must be a pure function of the step, called again from
+step 0 when an older step than the cache holds is asked for.
 
 Schedulers that cannot be driven by the step count alone are refused (`REFUSED`).
 """
@@ -33,12 +36,13 @@ from hetrain.errors import ConfigError
 
 REFUSED: dict[str, str] = {
     "ReduceLROnPlateau": "it steps on a metric (a loss), not on the global step",
-    "LambdaLR": "it needs a Python callable, which a config cannot hold",
-    "MultiplicativeLR": "it needs a Python callable, which a config cannot hold",
     "LRScheduler": "it is the abstract base class",
     "_LRScheduler": "it is the abstract base class",
 }
 """torch schedulers a global-step schedule cannot use, and why."""
+
+CALLABLES = ("LambdaLR", "MultiplicativeLR")
+"""Schedulers of a Python callable (lr_lambda): from the Python API only, not from TOML."""
 
 COMPOSITES = ("SequentialLR", "ChainedScheduler")
 """Schedulers of sub-schedulers, given as tables in scheduler_options.schedulers."""
