@@ -128,12 +128,16 @@ def opt(**kw: Any) -> OptimizerConfig:
 def test_a_valid_scheduler_loads() -> None:
     cfg = opt(scheduler="StepLR", scheduler_options={"step_size": 10, "gamma": 0.5})
     assert cfg.scheduler == "StepLR" and cfg.scheduler_options == {"step_size": 10, "gamma": 0.5}
-    assert "StepLR" in scheduler_names() and "ReduceLROnPlateau" not in scheduler_names()
+    assert "StepLR" in scheduler_names() and "LRScheduler" not in scheduler_names()
 
 
 @pytest.mark.parametrize(("table", "match"), [
     ({"scheduler": "NoSuchLR"}, r"not a torch\.optim\.lr_scheduler.*choose one of:.*StepLR"),
-    ({"scheduler": "ReduceLROnPlateau"}, r"cannot be used: it steps on a metric"),
+    ({"scheduler": "ReduceLROnPlateau", "scheduler_options": {"mode": "median"}},
+     r"do not fit ReduceLROnPlateau.*median"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {
+        "schedulers": [{"name": "ReduceLROnPlateau"}]}},
+     r"schedulers\[0\]\.name = 'ReduceLROnPlateau' cannot be used inside ChainedScheduler"),
     ({"scheduler": "LambdaLR"}, r"'LambdaLR' needs optimizer\.scheduler_options\.lr_lambda, "
                                  r"a Python callable.*TOML.*use the Python API: hetrain\.train"),
     ({"scheduler": "MultiplicativeLR", "scheduler_options": {"lr_lambda": "0.9"}},
@@ -197,12 +201,12 @@ def test_bad_scheduler_is_a_one_line_config_error(table: dict, match: str) -> No
 
 def test_cli_refuses_a_bad_scheduler_with_exit_2(tmp_path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[optimizer]\nscheduler = "ReduceLROnPlateau"\n')
+    path.write_text('[optimizer]\nscheduler = "LambdaLR"\n')
     p = subprocess.run([sys.executable, "-m", "hetrain", "run", str(path), "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "ReduceLROnPlateau" in lines[0] and "metric" in lines[0], p.stderr
+    assert len(lines) == 1 and "LambdaLR" in lines[0] and "Python API" in lines[0], p.stderr
 
 
 # ---- the shared arithmetic ----------------------------------------------------------------
@@ -422,3 +426,78 @@ def test_api_unpicklable_lr_lambda_is_refused_before_dist_spawns() -> None:
                       **{**QUICK, "max_epochs": 0.1,
                          "scheduler": {"name": "LambdaLR", "lr_lambda": lambda s: 0.9 ** s}})
     assert "\n" not in str(e.value)
+
+
+# ---- ReduceLROnPlateau: stepped by the evaluations -----------------------------------------
+@pytest.mark.parametrize("options", [
+    {"patience": 1, "factor": 0.5},
+    {"mode": "max", "patience": 0, "factor": 0.3, "cooldown": 2, "threshold": 0.05},
+    {"patience": 2, "factor": 0.1, "min_lr": 0.004, "threshold_mode": "abs",
+     "threshold": 0.01},
+])
+def test_plateau_factors_equal_torch_for_a_metric_sequence(options: dict) -> None:
+    from hetrain.engine.schedule import PlateauSchedule, make_schedule
+
+    losses = [1.0, 0.8, 0.79, 0.795, 0.9, 0.7, 0.7, 0.71, 0.72, 0.69, 0.69, 0.7, 0.7, 0.7]
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0, momentum=0.9)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    sched = make_schedule("ReduceLROnPlateau", options)
+    assert isinstance(sched, PlateauSchedule)
+    seen = []  # (step, factor from then on)
+    for k, loss in enumerate(losses):
+        metric = loss if options.get("mode", "min") == "min" else 1 - loss
+        step = 5 * (k + 1)
+        sched.observe(step, loss, 1 - loss)
+        ref.step(metric)
+        seen.append((step, opt_.param_groups[0]["lr"]))
+        assert sched.factor(step) == opt_.param_groups[0]["lr"]
+    assert len({f for _, f in seen}) > 1  # it did reduce
+    assert sched.factor(0) == sched.factor(4) == 1.0
+    for step, f in seen:  # earlier steps keep the factor in force then
+        assert sched.factor(step) == f and sched.factor(step + 4) == f
+
+
+def test_sim_plateau_drops_the_lr_after_a_plateau(mnist1d_cnn_small) -> None:
+    """A threshold of 50%: no evaluation improves enough, so every patience + 1 evaluations
+    the lr halves; each row's lr is torch's ReduceLROnPlateau stepped on the rows before it."""
+    options = {"patience": 1, "factor": 0.5, "threshold": 0.5}
+    cfg = make_cfg("ddp", epochs=0.1,
+                   scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    for row in rows:
+        assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
+        ref.step(row["test_loss"])
+    assert rows[0]["lr"] == pytest.approx(0.05) and rows[-1]["lr"] <= 0.05 / 4, rows
+
+
+def test_sim_plateau_with_accuracy_mode_max(mnist1d_cnn_small) -> None:
+    options = {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 0.5}
+    cfg = make_cfg("cadp", epochs=0.06,
+                   scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    for row in rows:
+        assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
+        ref.step(row["test_accuracy"])
+    assert rows[-1]["lr"] < 0.05, rows
+
+
+@pytest.mark.parametrize(("strategy", "shards", "match"), [
+    ("ddp", 1, r"all-reduce strategy \(ddp\)"), ("asp", 2, r"dist\.ps_shards = 2")])
+def test_dist_plateau_refused_where_rank_0_cannot_deliver_it(strategy, shards, match,
+                                                              mnist1d_cnn_small) -> None:
+    from dataclasses import replace
+
+    from hetrain.engine.dist import check_plateau_fits
+    from hetrain.engine.setup import prepare
+
+    cfg = make_cfg(strategy, engine="dist", scheduler={"scheduler": "ReduceLROnPlateau"})
+    cfg = cfg.replace(dist=replace(cfg.dist, ps_shards=shards))
+    with pytest.raises(ConfigError, match=match) as e:
+        check_plateau_fits(prepare(cfg, workload=mnist1d_cnn_small))
+    assert "\n" not in str(e.value)
+    check_plateau_fits(prepare(make_cfg("asp", engine="dist", scheduler={
+        "scheduler": "ReduceLROnPlateau"}), workload=mnist1d_cnn_small))  # PS, one shard: fine

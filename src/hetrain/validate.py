@@ -495,7 +495,7 @@ def _check_composite(name: str, options: Mapping[str, Any]) -> None:
 def _check_one_scheduler(name: str, options: Mapping[str, Any], key: str, opts_key: str
                          ) -> None:
     """One scheduler: `key` names where its name was given, `opts_key` its options."""
-    from hetrain.engine.schedule import CALLABLES, LrSchedule, scheduler_class
+    from hetrain.engine.schedule import CALLABLES, make_schedule, scheduler_class
 
     scheduler_class(name, key)
     if name in CALLABLES and not callable(options.get("lr_lambda")):
@@ -513,7 +513,9 @@ def _check_one_scheduler(name: str, options: Mapping[str, Any], key: str, opts_k
     what = (f"optimizer.scheduler {name} with scheduler_options {dict(options)}"
             if key == "optimizer.scheduler" else f"{opts_key} ({name}, {dict(options)})")
     try:
-        LrSchedule(name, options).check(what=what)
+        schedule = make_schedule(name, options)
+        assert schedule is not None
+        schedule.check(what=what)
     except ConfigError:
         raise
     except (TypeError, ValueError, KeyError) as e:

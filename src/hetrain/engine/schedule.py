@@ -18,7 +18,13 @@ their lr_lambda, a Python callable, from the Python API (hetrain.train(scheduler
 "LambdaLR", "lr_lambda": fn})); it must be a pure function of the step, called again from
 step 0 when an older step than the cache holds is asked for.
 
-Schedulers that cannot be driven by the step count alone are refused (`REFUSED`).
+ReduceLROnPlateau steps on the evaluations instead (`PlateauSchedule`): after each evaluation
+row the server calls `observe` with its test loss (mode "min") or test accuracy (mode "max"),
+torch's scheduler steps on that metric, and its factor holds from that global step on. Both
+engines evaluate at the same cadence, so the same metrics give the same factors; its
+`patience` and `cooldown` count evaluations, not steps.
+
+The abstract base classes are refused (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from torch.optim import lr_scheduler
 from hetrain.errors import ConfigError
 
 REFUSED: dict[str, str] = {
-    "ReduceLROnPlateau": "it steps on a metric (a loss), not on the global step",
     "LRScheduler": "it is the abstract base class",
     "_LRScheduler": "it is the abstract base class",
 }
@@ -139,6 +144,9 @@ class LrSchedule:
             self._advance()
         return self._factors[step - self._last - 1]
 
+    def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
+        """An evaluation at global step `step`: nothing for a schedule of the step alone."""
+
     def check(self, steps: int = 2, what: str | None = None) -> None:
         """ConfigError unless the first `steps` factors are finite and >= 0 (`what`: the
         scheduler as the error names it)."""
@@ -151,6 +159,38 @@ class LrSchedule:
                                   "finite and >= 0")
 
 
+class PlateauSchedule(LrSchedule):
+    """ReduceLROnPlateau, stepped by `observe` after each evaluation on its test loss (mode
+    "min", the default) or test accuracy (mode "max"); factor(step) is the factor in force at
+    global step `step`: the one set by the latest evaluation at or before it."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.name = "ReduceLROnPlateau"
+        self.options = dict(options or {})
+        self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        self._scheduler = lr_scheduler.ReduceLROnPlateau(self._optimizer, **self.options)
+        self._changes: list[tuple[int, float]] = [(0, 1.0)]
+        """(global step, factor from then on), in the order observed."""
+
+    def factor(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"a global step is >= 0, got {step}")
+        return next(f for s, f in reversed(self._changes) if s <= step)
+
+    def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
+        if self._scheduler.mode == "max" and test_accuracy is None:
+            raise ConfigError("optimizer.scheduler ReduceLROnPlateau with mode = \"max\" "
+                              "follows the test accuracy, which this run does not measure "
+                              "(a train_step without eval_fn); use mode = \"min\" (the test "
+                              "loss)")
+        self._scheduler.step(test_loss if self._scheduler.mode == "min" else test_accuracy)
+        f = self._optimizer.param_groups[0]["lr"]
+        if f != self._changes[-1][1]:
+            self._changes.append((step, f))
+
+
 def make_schedule(name: str, options: Mapping[str, Any] | None = None) -> LrSchedule | None:
     """The schedule of optimizer.scheduler / scheduler_options; None for "" (constant lr)."""
+    if name == "ReduceLROnPlateau":
+        return PlateauSchedule(options)
     return LrSchedule(name, options) if name else None
