@@ -58,6 +58,57 @@ def test_factors_equal_torch_in_order_and_out_of_order(name: str, options: dict)
         assert [sched.factor(k) for k in order] == [expected[k] for k in order]
 
 
+COMPOSITES: list[tuple[str, dict[str, Any]]] = [
+    ("SequentialLR", {"schedulers": [{"name": "LinearLR", "start_factor": 0.1, "total_iters": 5},
+                                     {"name": "CosineAnnealingLR", "T_max": 10}],
+                      "milestones": [5]}),
+    ("SequentialLR", {"schedulers": [{"name": "ConstantLR", "factor": 0.5, "total_iters": 3},
+                                     {"name": "StepLR", "step_size": 3, "gamma": 0.5},
+                                     {"name": "ExponentialLR", "gamma": 0.8}],
+                      "milestones": [4, 11]}),
+    ("ChainedScheduler", {"schedulers": [{"name": "LinearLR", "start_factor": 0.2,
+                                          "total_iters": 6},
+                                         {"name": "ExponentialLR", "gamma": 0.9}]}),
+    ("ChainedScheduler", {"schedulers": [{"name": "ConstantLR", "factor": 0.3,
+                                          "total_iters": 4},
+                                         {"name": "MultiStepLR", "milestones": [3, 9],
+                                          "gamma": 0.5}]}),
+]
+
+
+def torch_composite_factors(name: str, options: dict[str, Any], n: int) -> list[float]:
+    """torch's own composite, built the documented way on a real optimizer."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0, momentum=0.9)
+    sched = torch.optim.lr_scheduler
+    subs = [getattr(sched, s["name"])(opt, **{k: v for k, v in s.items() if k != "name"})
+            for s in options["schedulers"]]
+    whole = (sched.SequentialLR(opt, subs, milestones=options["milestones"])
+             if name == "SequentialLR" else sched.ChainedScheduler(subs, optimizer=opt))
+    out = []
+    for _ in range(n):
+        out.append(whole.get_last_lr()[0])
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            whole.step()
+    return out
+
+
+@pytest.mark.parametrize(("name", "options"), COMPOSITES,
+                         ids=[f"{c[0]}-{k}" for k, c in enumerate(COMPOSITES)])
+def test_composite_factors_equal_torch(name: str, options: dict) -> None:
+    n = 20
+    expected = torch_composite_factors(name, options, n)
+    assert len(set(expected)) > 3
+    assert [LrSchedule(name, options).factor(k) for k in range(n)] == expected
+    order = [7, 3, 15, 0, 19, 2, 2, 11, 18, 1, 19, 17]
+    for cache in (4096, 3, 1):
+        sched = LrSchedule(name, options, cache=cache)
+        assert [sched.factor(k) for k in order] == [expected[k] for k in order]
+    cfg = opt(scheduler=name, scheduler_options=options)  # and the config accepts it
+    assert cfg.scheduler == name
+
+
 def test_onecycle_holds_its_last_factor_past_total_steps() -> None:
     sched = LrSchedule("OneCycleLR", {"max_lr": 1.0, "total_steps": 5})
     last = torch_factors("OneCycleLR", {"max_lr": 1.0, "total_steps": 5}, 5)[-1]
@@ -77,16 +128,53 @@ def opt(**kw: Any) -> OptimizerConfig:
 def test_a_valid_scheduler_loads() -> None:
     cfg = opt(scheduler="StepLR", scheduler_options={"step_size": 10, "gamma": 0.5})
     assert cfg.scheduler == "StepLR" and cfg.scheduler_options == {"step_size": 10, "gamma": 0.5}
-    assert "StepLR" in scheduler_names() and "ReduceLROnPlateau" not in scheduler_names()
+    assert "StepLR" in scheduler_names() and "LRScheduler" not in scheduler_names()
 
 
 @pytest.mark.parametrize(("table", "match"), [
     ({"scheduler": "NoSuchLR"}, r"not a torch\.optim\.lr_scheduler.*choose one of:.*StepLR"),
-    ({"scheduler": "ReduceLROnPlateau"}, r"cannot be used: it steps on a metric"),
-    ({"scheduler": "LambdaLR"}, r"cannot be used: it needs a Python callable"),
-    ({"scheduler": "MultiplicativeLR"}, r"cannot be used: it needs a Python callable"),
-    ({"scheduler": "SequentialLR"}, r"cannot be used: it composes other scheduler"),
-    ({"scheduler": "ChainedScheduler"}, r"cannot be used: it composes other scheduler"),
+    ({"scheduler": "ReduceLROnPlateau", "scheduler_options": {"mode": "median"}},
+     r"do not fit ReduceLROnPlateau.*median"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {
+        "schedulers": [{"name": "ReduceLROnPlateau"}]}},
+     r"schedulers\[0\]\.name = 'ReduceLROnPlateau' cannot be used inside ChainedScheduler"),
+    ({"scheduler": "LambdaLR"}, r"'LambdaLR' needs optimizer\.scheduler_options\.lr_lambda, "
+                                 r"a Python callable.*TOML.*use the Python API: hetrain\.train"),
+    ({"scheduler": "MultiplicativeLR", "scheduler_options": {"lr_lambda": "0.9"}},
+     r"'MultiplicativeLR' needs .*lr_lambda, a Python callable \(got '0\.9'\).*Python API"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2}, {"name": "LambdaLR"}],
+        "milestones": [3]}},
+     r"schedulers\[1\]\.name = 'LambdaLR' needs .*schedulers\[1\]\.lr_lambda.*Python API"),
+    ({"scheduler": "SequentialLR"}, r"SequentialLR needs scheduler_options\.schedulers.*"
+                                     r"milestones = \[5\]"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {"schedulers": []}},
+     r"ChainedScheduler needs scheduler_options\.schedulers"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2}, {"name": "NoSuchLR"}],
+        "milestones": [3]}},
+     r"schedulers\[1\]\.name = 'NoSuchLR' is not a torch"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2}, {"name": "StepLR"}],
+        "milestones": [3]}},
+     r"schedulers\[1\] \{\} do not fit StepLR.*step_size"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2, "gamma": -1.0}]}},
+     r"schedulers\[0\] \(StepLR.*factor -1\.0 at step 2"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2, "last_epoch": 4}]}},
+     r"schedulers\[0\]\.last_epoch cannot be set"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2, "gamma": float("nan")}]}},
+     r"schedulers\[0\] must hold finite numbers"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "ChainedScheduler", "schedulers": []}], "milestones": []}},
+     r"schedulers\[0\]\.name = 'ChainedScheduler' cannot be used inside SequentialLR"),
+    ({"scheduler": "ChainedScheduler", "scheduler_options": {"schedulers": ["StepLR"]}},
+     r"schedulers\[0\] must be a table with a scheduler name"),
+    ({"scheduler": "SequentialLR", "scheduler_options": {
+        "schedulers": [{"name": "StepLR", "step_size": 2}], "milestones": [1, 2]}},
+     r"do not fit SequentialLR.*milestone"),
     ({"scheduler": "LRScheduler"}, r"cannot be used: it is the abstract base"),
     ({"scheduler": "StepLR"}, r"do not fit StepLR.*step_size"),
     ({"scheduler": "StepLR", "scheduler_options": {"step_size": 2, "gama": 0.5}},
@@ -113,12 +201,12 @@ def test_bad_scheduler_is_a_one_line_config_error(table: dict, match: str) -> No
 
 def test_cli_refuses_a_bad_scheduler_with_exit_2(tmp_path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[optimizer]\nscheduler = "ReduceLROnPlateau"\n')
+    path.write_text('[optimizer]\nscheduler = "LambdaLR"\n')
     p = subprocess.run([sys.executable, "-m", "hetrain", "run", str(path), "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "ReduceLROnPlateau" in lines[0] and "metric" in lines[0], p.stderr
+    assert len(lines) == 1 and "LambdaLR" in lines[0] and "Python API" in lines[0], p.stderr
 
 
 # ---- the shared arithmetic ----------------------------------------------------------------
@@ -267,3 +355,149 @@ def test_dist_ps_strategies_follow_the_schedule(strategy: str, shards: int, tmp_
         lr=0.05, scheduler="StepLR", scheduler_options={"step_size": 1, "gamma": 0.0}))
     rows = run_distributed(frozen, run_dir=tmp_path / "b", workload=mnist1d_cnn_small).rows
     assert len({row["test_loss"] for row in rows if row["updates"] >= 1}) == 1, rows
+
+
+def test_sim_sequential_lr_column_follows_torch(mnist1d_cnn_small) -> None:
+    name, options = COMPOSITES[0]
+    cfg = make_cfg("ddp", scheduler={"scheduler": name, "scheduler_options": options})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    factors = torch_composite_factors(name, options, max(r["updates"] for r in rows) + 1)
+    assert len({row["lr"] for row in rows}) > 2, rows
+    for row in rows:
+        assert row["lr"] == pytest.approx(0.05 * factors[row["updates"]], rel=1e-12), row
+
+
+# ---- LambdaLR / MultiplicativeLR: a callable from the Python API --------------------------
+def warmup(step: int) -> float:
+    """A module-level lr_lambda (picklable): linear warmup over 4 steps, then 0.9^step."""
+    return (step + 1) / 4 if step < 3 else 0.9 ** step
+
+
+def shrink(step: int) -> float:
+    return 0.8 if step % 2 else 1.0
+
+
+@pytest.mark.parametrize(("name", "fn"), [("LambdaLR", warmup), ("MultiplicativeLR", shrink)])
+def test_callable_factors_equal_torch(name: str, fn) -> None:
+    expected = torch_factors(name, {"lr_lambda": fn}, 20)
+    sched = LrSchedule(name, {"lr_lambda": fn}, cache=3)
+    order = [7, 3, 15, 0, 19, 2, 11, 1]
+    assert [sched.factor(k) for k in order] == [expected[k] for k in order]
+    if name == "LambdaLR":
+        assert expected == [warmup(k) for k in range(20)]
+
+
+def test_sim_lambda_lr_column_is_the_lambda(tmp_path, mnist1d_cnn_small) -> None:
+    """A callable in the config (as hetrain.train puts it there): the lr column is
+    optimizer.lr x fn(updates); the record names the callable."""
+    cfg = make_cfg("ddp", scheduler={"scheduler": "LambdaLR",
+                                     "scheduler_options": {"lr_lambda": warmup}})
+    r = run_config(cfg, runs_root=tmp_path, workload=mnist1d_cnn_small)
+    assert len({row["lr"] for row in r.rows}) > 2, r.rows
+    for row in r.rows:
+        assert row["lr"] == pytest.approx(0.05 * warmup(row["updates"]), rel=1e-12), row
+    summary = json.loads((tmp_path / cfg.name / "summary.json").read_text())
+    assert summary["config"]["optimizer"]["scheduler_options"] == {
+        "lr_lambda": f"<callable {__name__}.warmup>"}
+
+
+def test_api_lambda_and_multiplicative_on_the_simulator() -> None:
+    import hetrain
+    from test_api import QUICK, TEST, TRAIN, Tiny
+
+    for name, fn in (("LambdaLR", warmup), ("MultiplicativeLR", shrink)):
+        r = hetrain.train(Tiny(), TRAIN, test_dataset=TEST,
+                          **{**QUICK, "max_epochs": 0.3, "strategy": "ddp",
+                             "scheduler": {"name": name, "lr_lambda": fn}})
+        last = max(row["updates"] for row in r.rows)
+        factors = torch_factors(name, {"lr_lambda": fn}, last + 1)
+        assert len({row["lr"] for row in r.rows}) > 1, r.rows
+        for row in r.rows:
+            assert row["lr"] == pytest.approx(0.1 * factors[row["updates"]], rel=1e-12), row
+
+
+def test_api_unpicklable_lr_lambda_is_refused_before_dist_spawns() -> None:
+    import hetrain
+    from test_api import QUICK, TEST, TRAIN, Tiny
+
+    with pytest.raises(ConfigError, match=r"scheduler\.lr_lambda=.*<lambda> cannot be pickled"
+                       ) as e:
+        hetrain.train(Tiny(), TRAIN, test_dataset=TEST, engine="dist",
+                      **{**QUICK, "max_epochs": 0.1,
+                         "scheduler": {"name": "LambdaLR", "lr_lambda": lambda s: 0.9 ** s}})
+    assert "\n" not in str(e.value)
+
+
+# ---- ReduceLROnPlateau: stepped by the evaluations -----------------------------------------
+@pytest.mark.parametrize("options", [
+    {"patience": 1, "factor": 0.5},
+    {"mode": "max", "patience": 0, "factor": 0.3, "cooldown": 2, "threshold": 0.05},
+    {"patience": 2, "factor": 0.1, "min_lr": 0.004, "threshold_mode": "abs",
+     "threshold": 0.01},
+])
+def test_plateau_factors_equal_torch_for_a_metric_sequence(options: dict) -> None:
+    from hetrain.engine.schedule import PlateauSchedule, make_schedule
+
+    losses = [1.0, 0.8, 0.79, 0.795, 0.9, 0.7, 0.7, 0.71, 0.72, 0.69, 0.69, 0.7, 0.7, 0.7]
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0, momentum=0.9)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    sched = make_schedule("ReduceLROnPlateau", options)
+    assert isinstance(sched, PlateauSchedule)
+    seen = []  # (step, factor from then on)
+    for k, loss in enumerate(losses):
+        metric = loss if options.get("mode", "min") == "min" else 1 - loss
+        step = 5 * (k + 1)
+        sched.observe(step, loss, 1 - loss)
+        ref.step(metric)
+        seen.append((step, opt_.param_groups[0]["lr"]))
+        assert sched.factor(step) == opt_.param_groups[0]["lr"]
+    assert len({f for _, f in seen}) > 1  # it did reduce
+    assert sched.factor(0) == sched.factor(4) == 1.0
+    for step, f in seen:  # earlier steps keep the factor in force then
+        assert sched.factor(step) == f and sched.factor(step + 4) == f
+
+
+def test_sim_plateau_drops_the_lr_after_a_plateau(mnist1d_cnn_small) -> None:
+    """A threshold of 50%: no evaluation improves enough, so every patience + 1 evaluations
+    the lr halves; each row's lr is torch's ReduceLROnPlateau stepped on the rows before it."""
+    options = {"patience": 1, "factor": 0.5, "threshold": 0.5}
+    cfg = make_cfg("ddp", epochs=0.1,
+                   scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    for row in rows:
+        assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
+        ref.step(row["test_loss"])
+    assert rows[0]["lr"] == pytest.approx(0.05) and rows[-1]["lr"] <= 0.05 / 4, rows
+
+
+def test_sim_plateau_with_accuracy_mode_max(mnist1d_cnn_small) -> None:
+    options = {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 0.5}
+    cfg = make_cfg("cadp", epochs=0.06,
+                   scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
+    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
+    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
+    for row in rows:
+        assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
+        ref.step(row["test_accuracy"])
+    assert rows[-1]["lr"] < 0.05, rows
+
+
+@pytest.mark.parametrize(("strategy", "shards", "match"), [
+    ("ddp", 1, r"all-reduce strategy \(ddp\)"), ("asp", 2, r"dist\.ps_shards = 2")])
+def test_dist_plateau_refused_where_rank_0_cannot_deliver_it(strategy, shards, match,
+                                                              mnist1d_cnn_small) -> None:
+    from dataclasses import replace
+
+    from hetrain.engine.dist import check_plateau_fits
+    from hetrain.engine.setup import prepare
+
+    cfg = make_cfg(strategy, engine="dist", scheduler={"scheduler": "ReduceLROnPlateau"})
+    cfg = cfg.replace(dist=replace(cfg.dist, ps_shards=shards))
+    with pytest.raises(ConfigError, match=match) as e:
+        check_plateau_fits(prepare(cfg, workload=mnist1d_cnn_small))
+    assert "\n" not in str(e.value)
+    check_plateau_fits(prepare(make_cfg("asp", engine="dist", scheduler={
+        "scheduler": "ReduceLROnPlateau"}), workload=mnist1d_cnn_small))  # PS, one shard: fine

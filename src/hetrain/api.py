@@ -483,6 +483,8 @@ def train(model: ModelSpec, dataset: Dataset, *, test_dataset: Dataset | None = 
       {"name": "StepLR", "step_size": 100, "gamma": 0.5}: stepped by the global step (server
       updates), the same on both engines; lr-valued options (eta_min, max_lr) are factors of
       the optimizer's lr (optimizer.scheduler in docs/config.md). Rows get an "lr" column.
+      LambdaLR / MultiplicativeLR take their callable here: {"name": "LambdaLR", "lr_lambda":
+      fn}, fn(global step) -> factor (engine="dist": a module-level def, so that it pickles).
     - cluster: a preset ("homo-4", "hetero-4", "hetero-8", "geo-16"), a cluster TOML path, a
       table, or a hetrain.Cluster. strategy: a registered name (see hetrain.strategies.REGISTRY,
       user strategies included), a table {"name": ..., **options}, or a Strategy instance;
@@ -602,7 +604,7 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
     """Real processes (see hetrain.engine.dist); the model comes back through the checkpoint
     rank 0 writes when the run stops, so a run directory is needed (a temporary one if none)."""
     if "RANK" not in os.environ:
-        _check_spawnable(workload)
+        _check_spawnable(workload, cfg)
         try:
             pickle.dumps((workload, strategy))
         except Exception as e:
@@ -626,12 +628,26 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
                        model=model)
 
 
-def _check_spawnable(workload: Workload) -> None:
+def _scheduler_callables(options: Mapping[str, Any], key: str = "scheduler"
+                         ) -> list[tuple[str, Any]]:
+    """(where, fn) of the lr_lambda callables in scheduler options, sub-schedulers too."""
+    found = [(f"{key}.lr_lambda", options["lr_lambda"])] if "lr_lambda" in options else []
+    for k, sub in enumerate(options.get("schedulers", None) or ()):
+        if isinstance(sub, Mapping):
+            found += _scheduler_callables(sub, f"{key}.schedulers[{k}]")
+    return found
+
+
+def _check_spawnable(workload: Workload, cfg: RunConfig | None = None) -> None:
     """Refuse, in one line and before any process starts, what a spawned dist run cannot ship
-    or run: a user callable that does not pickle."""
+    or run: a user callable that does not pickle. The spawned workers receive them (the
+    workload through a pipe, the config, with a LambdaLR's lr_lambda, as the spawn's
+    arguments) from this process only, never from the network."""
     callables = (("train_step", workload.train_step), ("eval_fn", workload.eval_fn),
                  ("collate_fn", workload.loader.collate_fn), ("loss_fn", workload.loss_fn),
-                 ("worker_init_fn", workload.loader.worker_init_fn))
+                 ("worker_init_fn", workload.loader.worker_init_fn),
+                 *(_scheduler_callables(cfg.optimizer.scheduler_options)
+                   if cfg is not None else ()))
     for what, fn in callables:
         if fn is None:
             continue

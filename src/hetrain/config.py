@@ -94,9 +94,16 @@ class OptimizerConfig:
     updates applied (the model version), identically on both engines: the workers' lr (delta
     strategies: optimizer.lr x the strategy's lr scale x the schedule's factor) and the
     server's (gradient strategies: optimizer.lr x the factor). The server's outer step of
-    delta strategies (DiLoCo-style outer lr) is not scheduled. Schedulers that need a metric
-    (ReduceLROnPlateau) or callables / other schedulers (LambdaLR, MultiplicativeLR,
-    SequentialLR, ChainedScheduler) cannot be used. Evaluation rows get an `lr` column."""
+    delta strategies (DiLoCo-style outer lr) is not scheduled. SequentialLR and
+    ChainedScheduler take their sub-schedulers as tables in scheduler_options.schedulers,
+    e.g. {schedulers = [{name = "LinearLR", start_factor = 0.1, total_iters = 5}, {name =
+    "CosineAnnealingLR", T_max = 95}], milestones = [5]}. LambdaLR and MultiplicativeLR need
+    a Python callable (lr_lambda), which TOML cannot hold: they are refused here and taken
+    from the Python API, hetrain.train(scheduler={"name": "LambdaLR", "lr_lambda": fn}).
+    ReduceLROnPlateau steps after each evaluation on its test loss (mode = "min") or test
+    accuracy (mode = "max"), its factor holding from that global step on; its patience and
+    cooldown count EVALUATIONS, not steps (on the dist engine: PS strategies with ps_shards =
+    1 only). Evaluation rows get an `lr` column."""
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     """The scheduler's keyword arguments besides the optimizer, e.g. {step_size = 100, gamma
     = 0.5} for StepLR (steps are global steps). Learning rates among them (eta_min, max_lr,
@@ -268,7 +275,23 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["strategy"] = {"name": self.strategy.name, **self.strategy.options}
+        d["optimizer"]["scheduler_options"] = _callables_named(
+            d["optimizer"]["scheduler_options"])
         return d
+
+
+def _callables_named(value: Any) -> Any:
+    """`value` with every callable (a LambdaLR's lr_lambda from the Python API) replaced by
+    its name, "<callable module.qualname>": what the record (summary.json, a checkpoint's
+    config) can hold and a resume can compare."""
+    if callable(value):
+        return (f"<callable {getattr(value, '__module__', '?')}."
+                f"{getattr(value, '__qualname__', type(value).__name__)}>")
+    if isinstance(value, Mapping):
+        return {k: _callables_named(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_callables_named(v) for v in value]
+    return value
 
 
 _SECTIONS: dict[str, type] = {"workload": WorkloadConfig, "optimizer": OptimizerConfig,

@@ -447,7 +447,9 @@ def _non_finite(value: Any) -> Any:
 def check_scheduler(name: Any, options: Any) -> None:
     """optimizer.scheduler and optimizer.scheduler_options: a torch.optim.lr_scheduler class
     that the global step alone can drive (hetrain.engine.schedule), and keyword arguments it
-    accepts, checked by building it once on a dummy optimizer and taking its first steps."""
+    accepts, checked by building it once on a dummy optimizer and taking its first steps.
+    SequentialLR / ChainedScheduler: each table of scheduler_options.schedulers is checked the
+    same way first, and an error names the one at fault."""
     if not isinstance(name, str):
         raise ConfigError(f"optimizer.scheduler must be a string, got {name!r}")
     if not isinstance(options, Mapping):
@@ -458,21 +460,67 @@ def check_scheduler(name: Any, options: Any) -> None:
             raise ConfigError("optimizer.scheduler_options are set but optimizer.scheduler is "
                               "empty; name the torch.optim.lr_scheduler (e.g. \"StepLR\")")
         return
-    from hetrain.engine.schedule import LrSchedule, scheduler_class
+    from hetrain.engine.schedule import COMPOSITES
 
-    scheduler_class(name)
-    for key in ("optimizer", "last_epoch"):
-        if key in options:
-            raise ConfigError(f"optimizer.scheduler_options.{key} cannot be set: hetrain steps "
+    if name in COMPOSITES:
+        _check_composite(name, options)
+    _check_one_scheduler(name, options, "optimizer.scheduler", "optimizer.scheduler_options")
+
+
+def _check_composite(name: str, options: Mapping[str, Any]) -> None:
+    """SequentialLR / ChainedScheduler: scheduler_options.schedulers, a non-empty list of
+    tables {name = ..., **options}, each a scheduler checked like a top-level one."""
+    from hetrain.engine.schedule import COMPOSITES
+
+    subs = options.get("schedulers")
+    example = ('{schedulers = [{name = "LinearLR", start_factor = 0.1, total_iters = 5}, '
+               '{name = "CosineAnnealingLR", T_max = 95}]'
+               + (", milestones = [5]}" if name == "SequentialLR" else "}"))
+    if not isinstance(subs, list | tuple) or not subs:
+        raise ConfigError(f"optimizer.scheduler {name} needs scheduler_options.schedulers, a "
+                          f"list of scheduler tables, e.g. scheduler_options = {example}; "
+                          f"got {subs!r}")
+    for k, sub in enumerate(subs):
+        key = f"optimizer.scheduler_options.schedulers[{k}]"
+        if not isinstance(sub, Mapping) or not isinstance(sub.get("name"), str):
+            raise ConfigError(f"{key} must be a table with a scheduler name, e.g. "
+                              f"{{name = \"StepLR\", step_size = 10}}; got {sub!r}")
+        if sub["name"] in COMPOSITES or sub["name"] == "ReduceLROnPlateau":
+            raise ConfigError(f"{key}.name = {sub['name']!r} cannot be used inside {name}: "
+                              "name a scheduler of the global step (no nesting)")
+        _check_one_scheduler(sub["name"], {k2: v for k2, v in sub.items() if k2 != "name"},
+                             f"{key}.name", key)
+
+
+def _check_one_scheduler(name: str, options: Mapping[str, Any], key: str, opts_key: str
+                         ) -> None:
+    """One scheduler: `key` names where its name was given, `opts_key` its options."""
+    from hetrain.engine.schedule import CALLABLES, make_schedule, scheduler_class
+
+    scheduler_class(name, key)
+    if name in CALLABLES and not callable(options.get("lr_lambda")):
+        raise ConfigError(f"{key} = {name!r} needs {opts_key}.lr_lambda, a Python callable "
+                          f"(got {options.get('lr_lambda')!r}), which a TOML config cannot "
+                          f"hold; use the Python API: hetrain.train(scheduler={{'name': "
+                          f"'{name}', 'lr_lambda': fn}})")
+    for k in ("optimizer", "last_epoch"):
+        if k in options:
+            raise ConfigError(f"{opts_key}.{k} cannot be set: hetrain steps "
                               "the scheduler by the global step (the server's update count)")
     if (bad := _non_finite(dict(options))) is not None:
-        raise ConfigError(f"optimizer.scheduler_options must hold finite numbers, got {bad!r} "
+        raise ConfigError(f"{opts_key} must hold finite numbers, got {bad!r} "
                           f"in {dict(options)}")
+    what = (f"optimizer.scheduler {name} with scheduler_options {dict(options)}"
+            if key == "optimizer.scheduler" else f"{opts_key} ({name}, {dict(options)})")
     try:
-        LrSchedule(name, options).check()
+        schedule = make_schedule(name, options)
+        assert schedule is not None
+        schedule.check(what=what)
+    except ConfigError:
+        raise
     except (TypeError, ValueError, KeyError) as e:
         msg = " ".join(str(e).split())
-        raise ConfigError(f"optimizer.scheduler_options {dict(options)} do not fit {name}: "
+        raise ConfigError(f"{opts_key} {dict(options)} do not fit {name}: "
                           f"{msg}; see torch.optim.lr_scheduler.{name} (learning rates such "
                           "as eta_min or max_lr are factors of optimizer.lr)") from None
 

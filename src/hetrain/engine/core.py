@@ -112,6 +112,15 @@ def next_task(strategy: Strategy, worker: int, server: Server) -> WorkTask:
                                * server.schedule.factor(server.version))
 
 
+def observe_evaluations(server: Server, rows: list[dict[str, Any]]) -> None:
+    """Evaluation rows, in order, to the schedule (ReduceLROnPlateau steps on each; the others
+    ignore them): after each new row on both engines, and a resumed run's earlier rows again,
+    which rebuilds the plateau state the uncut run had."""
+    if server.schedule is not None:
+        for row in rows:
+            server.schedule.observe(row["updates"], row["test_loss"], row["test_accuracy"])
+
+
 def schedule_metrics(server: Server) -> dict[str, float]:
     """The `lr` column of evaluation rows when a schedule is set (none without one)."""
     return {} if server.schedule is None else {"lr": server.lr()}

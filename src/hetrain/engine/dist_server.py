@@ -51,6 +51,7 @@ from hetrain.engine.core import (
     Server,
     copy_flat_into,
     next_task,
+    observe_evaluations,
     schedule_metrics,
     take_applied,
 )
@@ -157,6 +158,7 @@ class Coordinator:
         self.log.workers = st.workers
         self.log.tta_s, self.log.tta_samples = st.tta
         self.log.restore(st.rows, st.version)  # re-write the metrics files the run had so far
+        observe_evaluations(self.server, st.rows)  # the plateau state
         # Lost workers are not restored: a resumed run starts every worker process afresh.
         log.info("resumed '%s' at update %d, %.2f epochs, %.1f s", self.cfg.name, st.version,
                  self.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
@@ -385,6 +387,7 @@ class Coordinator:
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
             bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
             extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
+        observe_evaluations(self.server, [row])  # ReduceLROnPlateau: from the next update on
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
         while self.eval_every_s > 0 and self.next_eval_s <= t:

@@ -11,7 +11,20 @@ Because the dummy's base lr is 1.0, options that are learning rates (eta_min, ma
 base_lr of CyclicLR) are given as FACTORS of optimizer.lr: eta_min = 0.01 means
 0.01 x optimizer.lr.
 
-Schedulers that cannot be driven by the step count alone are refused (`REFUSED`).
+SequentialLR and ChainedScheduler take their sub-schedulers as tables, {"name": ..., **its
+options} in scheduler_options.schedulers; they are built with torch's own classes on the same
+dummy optimizer, in order, as a torch user would build them. LambdaLR and MultiplicativeLR take
+their lr_lambda, a Python callable, from the Python API (hetrain.train(scheduler={"name":
+"LambdaLR", "lr_lambda": fn})); it must be a pure function of the step, called again from
+step 0 when an older step than the cache holds is asked for.
+
+ReduceLROnPlateau steps on the evaluations instead (`PlateauSchedule`): after each evaluation
+row the server calls `observe` with its test loss (mode "min") or test accuracy (mode "max"),
+torch's scheduler steps on that metric, and its factor holds from that global step on. Both
+engines evaluate at the same cadence, so the same metrics give the same factors; its
+`patience` and `cooldown` count evaluations, not steps.
+
+The abstract base classes are refused (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -28,15 +41,31 @@ from torch.optim import lr_scheduler
 from hetrain.errors import ConfigError
 
 REFUSED: dict[str, str] = {
-    "ReduceLROnPlateau": "it steps on a metric (a loss), not on the global step",
-    "LambdaLR": "it needs a Python callable, which a config cannot hold",
-    "MultiplicativeLR": "it needs a Python callable, which a config cannot hold",
-    "SequentialLR": "it composes other scheduler objects, which a config cannot hold",
-    "ChainedScheduler": "it composes other scheduler objects, which a config cannot hold",
     "LRScheduler": "it is the abstract base class",
     "_LRScheduler": "it is the abstract base class",
 }
 """torch schedulers a global-step schedule cannot use, and why."""
+
+CALLABLES = ("LambdaLR", "MultiplicativeLR")
+"""Schedulers of a Python callable (lr_lambda): from the Python API only, not from TOML."""
+
+COMPOSITES = ("SequentialLR", "ChainedScheduler")
+"""Schedulers of sub-schedulers, given as tables in scheduler_options.schedulers."""
+
+
+def _build(optimizer: torch.optim.Optimizer, name: str,
+           options: Mapping[str, Any]) -> lr_scheduler.LRScheduler:
+    """torch's scheduler `name` on `optimizer`; a composite's sub-schedulers first, in order,
+    on the same optimizer (as torch's documentation builds them)."""
+    cls = scheduler_class(name)
+    if name not in COMPOSITES:
+        return cls(optimizer, **options)
+    rest = {k: v for k, v in options.items() if k != "schedulers"}
+    subs = [_build(optimizer, sub["name"], {k: v for k, v in sub.items() if k != "name"})
+            for sub in options.get("schedulers", [])]
+    if name == "ChainedScheduler":
+        return cls(subs, optimizer=optimizer, **rest)
+    return cls(optimizer, schedulers=subs, **rest)
 
 
 def scheduler_names() -> list[str]:
@@ -46,13 +75,15 @@ def scheduler_names() -> list[str]:
                   and n not in REFUSED)
 
 
-def scheduler_class(name: str) -> type[lr_scheduler.LRScheduler]:
-    """The class `name` names, or a ConfigError saying why not and what may be named."""
+def scheduler_class(name: str, key: str = "optimizer.scheduler"
+                    ) -> type[lr_scheduler.LRScheduler]:
+    """The class `name` names, or a ConfigError saying why not and what may be named (`key`:
+    where the name was given)."""
     if name in REFUSED:
-        raise ConfigError(f"optimizer.scheduler = {name!r} cannot be used: {REFUSED[name]}; "
+        raise ConfigError(f"{key} = {name!r} cannot be used: {REFUSED[name]}; "
                           f"choose one of: {', '.join(scheduler_names())}")
     if name not in scheduler_names():
-        raise ConfigError(f"optimizer.scheduler = {name!r} is not a torch.optim.lr_scheduler "
+        raise ConfigError(f"{key} = {name!r} is not a torch.optim.lr_scheduler "
                           f"scheduler; choose one of: {', '.join(scheduler_names())} "
                           "(or leave it empty for a constant lr)")
     return getattr(lr_scheduler, name)
@@ -77,11 +108,10 @@ class LrSchedule:
         self._start()
 
     def _start(self) -> None:
-        cls = scheduler_class(self.name)
         self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._scheduler = cls(self._optimizer, **self.options)
+            self._scheduler = _build(self._optimizer, self.name, self.options)
         self._factors: deque[float] = deque([self._scheduler.get_last_lr()[0]],
                                             maxlen=self.cache)
         self._last = 0
@@ -114,16 +144,53 @@ class LrSchedule:
             self._advance()
         return self._factors[step - self._last - 1]
 
-    def check(self, steps: int = 2) -> None:
-        """ConfigError unless the first `steps` factors are finite and >= 0."""
+    def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
+        """An evaluation at global step `step`: nothing for a schedule of the step alone."""
+
+    def check(self, steps: int = 2, what: str | None = None) -> None:
+        """ConfigError unless the first `steps` factors are finite and >= 0 (`what`: the
+        scheduler as the error names it)."""
         for k in range(steps + 1):
             f = self.factor(k)
             if not (math.isfinite(f) and f >= 0):
-                raise ConfigError(f"optimizer.scheduler {self.name} with "
-                                  f"scheduler_options {self.options} gives lr factor {f} at "
-                                  f"step {k}; a factor must be finite and >= 0")
+                what = what or (f"optimizer.scheduler {self.name} with scheduler_options "
+                                f"{self.options}")
+                raise ConfigError(f"{what} gives lr factor {f} at step {k}; a factor must be "
+                                  "finite and >= 0")
+
+
+class PlateauSchedule(LrSchedule):
+    """ReduceLROnPlateau, stepped by `observe` after each evaluation on its test loss (mode
+    "min", the default) or test accuracy (mode "max"); factor(step) is the factor in force at
+    global step `step`: the one set by the latest evaluation at or before it."""
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.name = "ReduceLROnPlateau"
+        self.options = dict(options or {})
+        self._optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        self._scheduler = lr_scheduler.ReduceLROnPlateau(self._optimizer, **self.options)
+        self._changes: list[tuple[int, float]] = [(0, 1.0)]
+        """(global step, factor from then on), in the order observed."""
+
+    def factor(self, step: int) -> float:
+        if step < 0:
+            raise ValueError(f"a global step is >= 0, got {step}")
+        return next(f for s, f in reversed(self._changes) if s <= step)
+
+    def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
+        if self._scheduler.mode == "max" and test_accuracy is None:
+            raise ConfigError("optimizer.scheduler ReduceLROnPlateau with mode = \"max\" "
+                              "follows the test accuracy, which this run does not measure "
+                              "(a train_step without eval_fn); use mode = \"min\" (the test "
+                              "loss)")
+        self._scheduler.step(test_loss if self._scheduler.mode == "min" else test_accuracy)
+        f = self._optimizer.param_groups[0]["lr"]
+        if f != self._changes[-1][1]:
+            self._changes.append((step, f))
 
 
 def make_schedule(name: str, options: Mapping[str, Any] | None = None) -> LrSchedule | None:
     """The schedule of optimizer.scheduler / scheduler_options; None for "" (constant lr)."""
+    if name == "ReduceLROnPlateau":
+        return PlateauSchedule(options)
     return LrSchedule(name, options) if name else None

@@ -47,6 +47,7 @@ from hetrain.engine.core import (
     Server,
     TaskResult,
     next_task,
+    observe_evaluations,
     schedule_metrics,
     take_applied,
 )
@@ -155,6 +156,7 @@ class Simulator:
             self.log.workers = st.workers
             self.log.tta_s, self.log.tta_samples = st.tta
             self.log.restore(st.rows, st.version)  # re-write the metrics files of the run so far
+            observe_evaluations(self.server, st.rows)  # the plateau state
 
     # ---- clock model ------------------------------------------------------------------------
     def _schedule(self, t: float, kind: int, payload: Any) -> None:
@@ -294,6 +296,7 @@ class Simulator:
             test_loss=loss, test_accuracy=acc, train_loss=train_loss,
             bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
             extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
+        observe_evaluations(self.server, [row])  # ReduceLROnPlateau: from the next update on
         while self.next_eval <= self.applied_samples:
             self.next_eval += self.eval_every
         while self.eval_every_s > 0 and self.next_eval_s <= t:
