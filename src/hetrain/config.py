@@ -102,8 +102,8 @@ class OptimizerConfig:
     from the Python API, hetrain.train(scheduler={"name": "LambdaLR", "lr_lambda": fn}).
     ReduceLROnPlateau steps after each evaluation on its test loss (mode = "min") or test
     accuracy (mode = "max"), its factor holding from that global step on; its patience and
-    cooldown count EVALUATIONS, not steps (on the dist engine: PS strategies with ps_shards =
-    1 only). Evaluation rows get an `lr` column."""
+    cooldown count EVALUATIONS, not steps (on the dist engine rank 0's factor travels with
+    each update to all-reduce workers and PS shards). Evaluation rows get an `lr` column."""
     scheduler_options: dict[str, Any] = field(default_factory=dict)
     """The scheduler's keyword arguments besides the optimizer, e.g. {step_size = 100, gamma
     = 0.5} for StepLR (steps are global steps). Learning rates among them (eta_min, max_lr,

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from hetrain.config import OptimizerConfig
 from hetrain.engine.devices import Mover
 from hetrain.engine.precision import LossScaler, autocast
-from hetrain.engine.schedule import LrSchedule, make_schedule
+from hetrain.engine.schedule import LrSchedule, PlateauSchedule, make_schedule
 from hetrain.plan.noise import GradProbe
 from hetrain.strategies.base import Decision, OuterOptimizer, Strategy, Update, WorkTask
 from hetrain.validate import optimizer_class
@@ -119,6 +119,21 @@ def observe_evaluations(server: Server, rows: list[dict[str, Any]]) -> None:
     if server.schedule is not None:
         for row in rows:
             server.schedule.observe(row["updates"], row["test_loss"], row["test_accuracy"])
+
+
+def plateau_factor(server: Server) -> dict[str, float]:
+    """{"lr_factor": f} for an update message when the schedule steps on evaluations
+    (ReduceLROnPlateau): f is the factor of the update at the server's current version, which
+    servers that never see an evaluation (all-reduce workers, PS shards) cannot compute."""
+    if not isinstance(server.schedule, PlateauSchedule):
+        return {}
+    return {"lr_factor": server.schedule.factor(server.version)}
+
+
+def follow_plateau(server: Server, msg: dict[str, Any]) -> None:
+    """Take rank 0's plateau factor (`plateau_factor`) for this server's next update."""
+    if "lr_factor" in msg and isinstance(server.schedule, PlateauSchedule):
+        server.schedule.follow(server.version, float(msg["lr_factor"]))
 
 
 def schedule_metrics(server: Server) -> dict[str, float]:

@@ -292,21 +292,6 @@ def check_devices(cfg: RunConfig, cluster: Cluster, strategy_comm: str, layout: 
     return ps
 
 
-def check_plateau_fits(prep: Prepared) -> None:
-    """ReduceLROnPlateau steps on rank 0's evaluations; its factor reaches the workers' tasks
-    and rank 0's own server, but not yet the servers of all-reduce workers or of PS shards."""
-    cfg = prep.cfg
-    if cfg.optimizer.scheduler != "ReduceLROnPlateau":
-        return
-    if prep.strategy.comm == "allreduce" or cfg.dist.ps_shards > 1:
-        why = (f"dist.ps_shards = {cfg.dist.ps_shards}" if cfg.dist.ps_shards > 1
-               else f"an all-reduce strategy ({prep.strategy.name})")
-        raise ConfigError(
-            f"optimizer.scheduler ReduceLROnPlateau on the dist engine is not supported with "
-            f"{why}: it steps on rank 0's evaluations, which only rank 0's own server sees; use a PS "
-            "strategy with ps_shards = 1, or the simulator")
-
-
 def check_ps_shards_fit(prep: Prepared) -> None:
     """dist.ps_shards needs a PS strategy, at least one parameter tensor per shard and at
     most one shard per device (hetrain.validate.check_ps_shard_count)."""
@@ -334,7 +319,6 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
             cluster, workload = _effective_inputs(cfg, cluster, workload)
             prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
             check_ps_shards_fit(prep)
-            check_plateau_fits(prep)
         world = prep.cluster.n + cfg.dist.ps_shards
         if rv.world_size != world:
             raise ConfigError(
@@ -448,7 +432,6 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         cluster, workload = _effective_inputs(cfg, cluster, workload)
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
         check_ps_shards_fit(prep)
-        check_plateau_fits(prep)
         world = prep.cluster.n + cfg_d.ps_shards
         check_devices(cfg, prep.cluster, prep.strategy.comm, (0, world))
         if not early:

@@ -52,6 +52,7 @@ from hetrain.engine.core import (
     copy_flat_into,
     next_task,
     observe_evaluations,
+    plateau_factor,
     schedule_metrics,
     take_applied,
 )
@@ -134,6 +135,8 @@ class Coordinator:
         self.updates_since_ckpt = 0
         self.allreduce = self.strategy.comm == "allreduce"
         self.pending_apply: dict[int, float] = {}
+        self.pending_factor: dict[str, float] = {}
+        """ReduceLROnPlateau: the factor of the pending all-reduced update (core.plateau_factor)."""
         self.worker_devices = ["?"] * n
         """The torch device each worker reported when it was ready."""
         self.model_time_scale = (emulation.get("time_scale", 1.0)
@@ -243,6 +246,7 @@ class Coordinator:
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
         if w in self.pending_apply:
             msg["apply_weight"] = self.pending_apply.pop(w)
+            msg.update(self.pending_factor)
         if not self.allreduce:
             msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
             msg["version"] = self.base_version[w] = self.server.version
@@ -300,8 +304,9 @@ class Coordinator:
         if self.allreduce:
             self._collective_apply(dict(decision.apply))
         else:
+            factor = plateau_factor(self.server)   # of this update, before it is applied
             self.server.apply(items)
-            self._to_shards({"kind": "apply", "items": list(decision.apply)})
+            self._to_shards({"kind": "apply", "items": list(decision.apply), **factor})
         self.updates_since_ckpt += 1
         self._snapshot()
         if (self.clock() >= self.next_eval_s if self.eval_every_s > 0
@@ -321,12 +326,14 @@ class Coordinator:
         # Sent with each worker's next task (one message per round instead of two), or on
         # its own before anything else needs the all-reduced model (`_flush_applies`).
         self.pending_apply = {w: float(weights[w]) for w in sorted(self.live)}
+        self.pending_factor = plateau_factor(self.server)
         self.server.version += 1
 
     def _flush_applies(self) -> None:
         for w, weight in sorted(self.pending_apply.items()):
             if w in self.live:
-                self.outbox.send({"kind": "apply", "weight": weight}, w + 1)
+                self.outbox.send({"kind": "apply", "weight": weight, **self.pending_factor},
+                                 w + 1)
         self.pending_apply = {}
 
     def _pull_state(self, src: int | None = None) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from hetrain.compress import Compressor
 from hetrain.config import RunConfig
-from hetrain.engine.core import Server
+from hetrain.engine.core import Server, follow_plateau
 from hetrain.engine.wire import Outbox, pump, send_obj
 
 log = logging.getLogger("hetrain.dist")
@@ -128,6 +128,7 @@ class Shard:
             self.server.version = cmd["version"]
         elif kind == "apply":
             assert self.server is not None
+            follow_plateau(self.server, cmd)
             self.server.apply([(weight, self.blocks[w].popleft(), [])
                                for w, weight in cmd["items"]])
         elif kind == "drop":

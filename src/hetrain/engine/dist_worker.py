@@ -31,7 +31,7 @@ from hetrain.cluster import Cluster
 from hetrain.compress import Compressor, ErrorFeedback
 from hetrain.config import RunConfig
 from hetrain.engine import devices
-from hetrain.engine.core import Replica, Server, TaskResult, float_buffers
+from hetrain.engine.core import Replica, Server, TaskResult, float_buffers, follow_plateau
 from hetrain.engine.emulate import Throttle, sleep_until
 from hetrain.engine.wire import recv_obj, recv_obj_timed, send_obj, set_message_limit
 from hetrain.errors import ConfigError
@@ -149,10 +149,10 @@ class Worker:
                 return
             if kind == "task":
                 if "apply_weight" in msg:  # the last round's all-reduce rides with the task
-                    self._apply(msg["apply_weight"])
+                    self._apply(msg["apply_weight"], msg)
                 self._task(msg)
             elif kind == "apply":
-                self._apply(msg["weight"])
+                self._apply(msg["weight"], msg)
             elif kind == "state":
                 assert self.server is not None
                 self._send({"kind": "state", "model": self.server.model.state_dict(),
@@ -236,9 +236,11 @@ class Worker:
             shard_bytes[1] += nbytes
         return torch.cat(blocks)
 
-    def _apply(self, weight: float) -> None:
-        """All-reduce sum_i w_i [u_i, b_i, 1] over the workers; step my global copy."""
+    def _apply(self, weight: float, msg: dict[str, Any]) -> None:
+        """All-reduce sum_i w_i [u_i, b_i, 1] over the workers; step my global copy (with
+        rank 0's ReduceLROnPlateau factor when the message carries one)."""
         assert self.server is not None and self.last is not None
+        follow_plateau(self.server, msg)
         r = self.last
         bufs = torch.cat([b.reshape(-1) for b in r.buffers]) if r.buffers else torch.zeros(0)
         flat = torch.cat([weight * r.update, weight * bufs, torch.tensor([weight])])

@@ -34,9 +34,9 @@ SCHEMA: dict[str, tuple[dict[str, Types], dict[str, Types]]] = {
                    "state": (dict, type(None)), "shards": dict, "version": int,
                    "params": list, "optimizer": (dict, type(None))}),
     "task": ({"task": WorkTask, "batches": list},
-             {"apply_weight": Number, "params": torch.Tensor, "buffers": list,
-              "version": int}),
-    "apply": ({}, {"weight": Number, "items": list}),
+             {"apply_weight": Number, "lr_factor": Number, "params": torch.Tensor,
+              "buffers": list, "version": int}),
+    "apply": ({}, {"weight": Number, "items": list, "lr_factor": Number}),
     "drop": ({"worker": int}, {}),
     "stop": ({}, {}),
     # workers -> rank 0 / shards, shards -> rank 0 / workers

@@ -144,6 +144,12 @@ class LrSchedule:
             self._advance()
         return self._factors[step - self._last - 1]
 
+    def follow(self, step: int, factor: float) -> None:
+        """Take the factor rank 0's schedule gives global step `step` (all-reduce workers and
+        PS shards run their own server but never see the evaluations it steps on)."""
+        if factor != self._changes[-1][1]:
+            self._changes.append((max(step, self._changes[-1][0]), factor))
+
     def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
         """An evaluation at global step `step`: nothing for a schedule of the step alone."""
 
