@@ -183,6 +183,7 @@ def _bias_of(op: Op, w: NdSbp) -> tuple[tuple[int, ...], NdSbp] | None:
                                for s in w)
 
 
+@lru_cache(maxsize=8192)
 def _anon(op: Op) -> Op:
     """The op without its identity: equal for every block of a transformer (a cache key)."""
     return replace(op, name="", inputs=tuple("" for _ in op.inputs))
@@ -356,18 +357,25 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
                       max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
 
 
+def micro_memory(tab: StageTables, m: int) -> list[np.ndarray]:
+    """tab.mem (per op, per signature) with m micro-batches' activations alive (GPipe): tab
+    prices one micro-batch, whose activations are 1/m of the batch's."""
+    out = []
+    for i, op in enumerate(tab.graph.ops):
+        mem = tab.mem[i].copy()
+        if m > 1 and tab.options.keep_activations and op.out_shape:
+            for s, sg in enumerate(tab.sigs[i]):
+                osplit = math.prod(p for p, x in zip(tab.mesh.shape, sg.out, strict=True)
+                                   if isinstance(x, Split))
+                mem[s] += op.out_bytes / osplit * (m - 1)
+        out.append(mem)
+    return out
+
+
 def memory_with_micro(tab: StageTables, assign: list[int], m: int) -> float:
     """Per-device memory with m micro-batches' activations alive (GPipe)."""
-    total = 0.0
-    for i, s in enumerate(assign):
-        op, sg = tab.graph.ops[i], tab.sigs[i][s]
-        act = 0.0
-        if tab.options.keep_activations and op.out_shape:
-            osplit = math.prod(p for p, x in zip(tab.mesh.shape, sg.out, strict=True)
-                               if isinstance(x, Split))
-            act = op.out_bytes / osplit
-        total += float(tab.mem[i][s]) - act + act * m
-    return total
+    mem = micro_memory(tab, m)
+    return sum(float(mem[i][s]) for i, s in enumerate(assign))
 
 
 def plan_summary(report: CostReport) -> dict[str, Any]:
