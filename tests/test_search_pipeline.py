@@ -197,6 +197,16 @@ def test_a_model_too_big_for_the_small_devices_gets_a_plan_that_fits() -> None:
     assert max(need.get(0, 0.0), need.get(1, 0.0)) < min(need.get(2, 0.0), need.get(3, 0.0))
 
 
+def test_devices_too_small_for_any_layer_are_left_out() -> None:
+    """Two devices can hold no layer at all: the plan uses only the two with room."""
+    cl = _caps((0.01, 0.01, 2.0, 2.0))
+    res = search_plan(GPT, cl)
+    assert res.report.feasible
+    assert {d for st in res.plan.stages for d in st.mesh.devices} <= {2, 3}
+    need = _per_device_need(GPT, res.plan, cl)
+    assert all(need[d] <= cl.devices[d].memory_bytes for d in need)
+
+
 def test_a_model_that_fits_nowhere_gets_one_line_naming_the_shortfall() -> None:
     cl = _caps((0.1, 0.1, 0.15, 0.15))
     with pytest.raises(ConfigError) as e:
@@ -205,4 +215,4 @@ def test_a_model_that_fits_nowhere_gets_one_line_naming_the_shortfall() -> None:
     assert "\n" not in msg and "fits no device memory" in msg
     assert "short by" in msg and "needs" in msg
     big = max(d.memory_bytes for d in cl.devices)
-    assert f"has {big / 2**30:.3g} GiB" in msg and "'d2'" in msg
+    assert f"has {big / 2**20:.3g} MiB" in msg and "'d2'" in msg

@@ -11,7 +11,8 @@ else 1e12 + the excess bytes, so any feasible plan beats every infeasible one.
 
 The outer search tries candidate meshes (1-D over all devices, sites x local 2-D meshes with
 the inner axis inside a site, 2-D factorisations of a single site, each site alone, the
-fastest 2^k devices: a lockstep mesh runs at its slowest member's pace) and GPipe pipelines
+fastest 2^k devices: a lockstep mesh runs at its slowest member's pace, and the 2^k with
+the most memory when memory differs) and GPipe pipelines
 (equal-sized device groups by site, by speed or by memory; layers cut only where the pipeline
 executor can cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and
 the exact min-max split of the cost model's per-op stage times under each group's memory cap,
@@ -61,7 +62,8 @@ class SearchOptions:
     pipeline: bool = True
     """Also try GPipe pipelines over device groups."""
     subsets: bool = True
-    """Also try meshes over the fastest devices only and over single sites."""
+    """Also try meshes over the fastest devices only, over those with the most memory (when
+    memory differs) and over single sites."""
     seed: int = 0
 
 
@@ -216,12 +218,16 @@ def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
     if subsets:
         if len(sites) > 1:
             meshes += [Mesh((len(v),), tuple(v)) for v in sites.values()]
-        speeds = {d.flops for d in cluster.devices}
-        if len(speeds) > 1:
-            fast = sorted(range(n), key=lambda i: (-cluster.devices[i].flops, i))
+        devs = cluster.devices
+        rankings = []
+        if len({d.flops for d in devs}) > 1:
+            rankings.append(sorted(range(n), key=lambda i: (-devs[i].flops, i)))
+        if len({d.memory_bytes for d in devs}) > 1:  # the devices with the most room
+            rankings.append(sorted(range(n), key=lambda i: (-devs[i].memory_bytes, -devs[i].flops, i)))
+        for best in rankings:
             k = 1
             while k < n:
-                sel = sorted(fast[:k], key=lambda i: (order.index(i)))
+                sel = sorted(best[:k], key=lambda i: (order.index(i)))
                 meshes.append(Mesh((k,), tuple(sel)))
                 k *= 2
     seen, out = set(), []
@@ -367,7 +373,8 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.3g} GiB"
+    """Bytes in GiB, or MiB below 1 GiB."""
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
 
 
 def _shortfall(graph: LayerGraph, cluster: Cluster, lean: CostReport, desc: str, tried: int,
