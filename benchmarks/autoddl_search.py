@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from hetrain.cluster import GBIT, Cluster, Device, Link, Site, homogeneous, preset
-from hetrain.plan.cost import stage_tables
+from hetrain.plan.cost import clear_caches
 from hetrain.plan.graph import gpt_graph, vgg_graph
 from hetrain.plan.sbp import mesh_comm
 from hetrain.plan.search import SearchResult, search_plan
@@ -38,7 +38,7 @@ def two_level(sites: int, per_site: int) -> Cluster:
 
 
 def timed(graph, cluster) -> tuple[float, SearchResult]:  # type: ignore[no-untyped-def]
-    stage_tables.cache_clear()
+    clear_caches()
     mesh_comm.cache_clear()
     t0 = time.perf_counter()
     res = search_plan(graph, cluster)

@@ -7,7 +7,8 @@ module of a Sequential or of a ConvNet's features and classifier), a stage runs 
 that start inside its op range, and every module outside the stage is dropped from the
 model (in place: every rank builds its own), so parameter names stay those of the whole
 model. A boundary must fall where a piece starts (a free reshape op before it may sit on
-either side).
+either side): the graph marks those ops (Op.stage_start, LayerGraph.stage_starts), and the
+planner cuts only there too.
 
 Ranks: with k stages of d devices each, rank s*d + j is device j of stage s (local processes
 stand in for the plan's device ids); ranks past k*d idle. A one-device stage runs plainly. A
@@ -150,8 +151,9 @@ def _replicas(plan: Plan) -> int:
 
 
 def _stage_pieces(pieces: list[Piece], graph: LayerGraph, plan: Plan) -> tuple[tuple[Piece, ...], ...]:
-    """The pieces of each stage; a stage must start where a piece does (or at free reshapes
-    just before one)."""
+    """The pieces of each stage. The graph says where a stage may start (LayerGraph.
+    stage_starts: its ops marked `stage_start`, or free reshapes just before one), the same
+    boundaries the planner cuts at; the model's pieces must start exactly at the marked ops."""
     index = {op.name: i for i, op in enumerate(graph.ops)}
     missing = [p.start for p in pieces if p.start not in index]
     if missing:
@@ -161,18 +163,23 @@ def _stage_pieces(pieces: list[Piece], graph: LayerGraph, plan: Plan) -> tuple[t
     if sorted(at) != [index[p.start] for p in pieces] or 0 not in at:
         raise ConfigError(f"the model does not match graph '{graph.name}': its modules are not "
                           "in graph order from the first op")
+    marked = {op.name for op in graph.ops if op.stage_start}
+    odd = sorted(marked ^ {p.start for p in pieces}, key=lambda n: index.get(n, -1))
+    if odd:
+        raise ConfigError(f"the model does not match graph '{graph.name}': op '{odd[0]}' is "
+                          f"{'not ' if odd[0] in marked else ''}a piece of the model but the graph "
+                          f"{'marks' if odd[0] in marked else 'does not mark'} it as a stage start")
+    allowed = graph.stage_starts()
     starts = [0]
     for s, (a, _) in enumerate(stage_graphs(graph, plan)[1:], 1):
-        j = a
-        while j not in at and j < len(graph.ops) and graph.ops[j].kind == "reshape":
-            j += 1  # a free reshape may go with either stage
-        if j not in at:
-            inside = at[max(i for i in at if i < a)].start
-            allowed = [p.start for p in pieces[1:]]
-            raise ConfigError(f"stage {s} starts at op '{graph.ops[a].name}', inside the piece "
-                              f"that starts at '{inside}'; stages may start at: "
-                              f"{', '.join(allowed[:8])}{', ...' if len(allowed) > 8 else ''}")
-        starts.append(j)
+        if a not in allowed:
+            names = [graph.ops[i].name for i in allowed]
+            where = (f"inside the piece that starts at '{at[max(i for i in at if i < a)].start}'"
+                     if a not in at else "where more than one tensor crosses")
+            raise ConfigError(f"stage {s} starts at op '{graph.ops[a].name}', {where}; stages "
+                              f"may start at: {', '.join(names[:8])}"
+                              f"{', ...' if len(names) > 8 else ''}")
+        starts.append(min(i for i in at if i >= a))  # past free reshapes to the piece
     starts.append(len(graph.ops))
     stages = tuple(tuple(at[i] for i in sorted(at) if a <= i < b)
                    for a, b in itertools.pairwise(starts))

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -183,16 +184,45 @@ def _bias_of(op: Op, w: NdSbp) -> tuple[tuple[int, ...], NdSbp] | None:
                                for s in w)
 
 
+@lru_cache(maxsize=8192)
 def _anon(op: Op) -> Op:
     """The op without its identity: equal for every block of a transformer (a cache key)."""
     return replace(op, name="", inputs=tuple("" for _ in op.inputs))
+
+
+_NodeTables = tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+_SHARED: OrderedDict[tuple[Mesh, Cluster, CostOptions],
+                     tuple[dict[Op, _NodeTables], dict[tuple[Op, Op, int], np.ndarray]]] = OrderedDict()
+
+
+def _shared_tables(mesh: Mesh, cluster: Cluster, options: CostOptions
+                   ) -> tuple[dict[Op, _NodeTables], dict[tuple[Op, Op, int], np.ndarray]]:
+    """The node and edge tables already computed on this mesh, cluster and options, keyed by
+    anonymous op (a pipeline stage's sub-graph reuses the whole graph's; 64 contexts kept)."""
+    key = (mesh, cluster, options)
+    got = _SHARED.get(key)
+    if got is None:
+        got = _SHARED[key] = ({}, {})
+        while len(_SHARED) > 64:
+            _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return got
+
+
+def clear_caches() -> None:
+    """Forget every cached table (for cold-cache timings)."""
+    stage_tables.cache_clear()
+    _anon.cache_clear()
+    _SHARED.clear()
 
 
 class StageTables:
     """Per-op and per-edge cost tables of one graph on one mesh, for fast search.
 
     node_time[i][s], node_mem[i][s] and edge[e][s_u, s_v] (numpy); identical ops (every block
-    of a transformer) share their tables."""
+    of a transformer, the same op in a stage's sub-graph) share their tables, which are
+    never modified in place."""
 
     def __init__(self, graph: LayerGraph, mesh: Mesh, cluster: Cluster,
                  options: CostOptions | None = None):
@@ -204,7 +234,7 @@ class StageTables:
         self.min_speed = min(d.flops for d in members)
         self.memory_limit_bytes = min(d.memory_bytes for d in members)
         self.overhead_s = max(d.step_overhead_s for d in members)
-        cache: dict[Op, tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        cache, ecache = _shared_tables(mesh, cluster, self.options)
         self.sigs, self.compute, self.internal, self.sync, self.mem = [], [], [], [], []
         for op in graph.ops:
             key = _anon(op)
@@ -220,7 +250,6 @@ class StageTables:
                 raise ConfigError(f"op '{op.name}' has no legal signature on mesh {mesh.label}")
         self.node_time = [c + i + s for c, i, s in zip(self.compute, self.internal, self.sync, strict=True)]
         self.edges = graph.edges()
-        ecache: dict[tuple[Op, Op, int], np.ndarray] = {}
         self.edge = []
         for u, v, slot in self.edges:
             key2 = (_anon(graph.ops[u]), _anon(graph.ops[v]), slot)
@@ -228,7 +257,7 @@ class StageTables:
                 ecache[key2] = self._edge(u, v, slot)
             self.edge.append(ecache[key2])
 
-    def _node(self, op: Op) -> tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _node(self, op: Op) -> _NodeTables:
         ms, sigs = self.mesh.shape, signatures(op, self.mesh.shape)
         factor = 3.0 if op.weight_shape else 2.0
         overhead = dict(self.options.op_overhead_s).get(op.kind, 0.0)
@@ -356,18 +385,25 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
                       max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
 
 
+def micro_memory(tab: StageTables, m: int) -> list[np.ndarray]:
+    """tab.mem (per op, per signature) with m micro-batches' activations alive (GPipe): tab
+    prices one micro-batch, whose activations are 1/m of the batch's."""
+    out = []
+    for i, op in enumerate(tab.graph.ops):
+        mem = tab.mem[i].copy()
+        if m > 1 and tab.options.keep_activations and op.out_shape:
+            for s, sg in enumerate(tab.sigs[i]):
+                osplit = math.prod(p for p, x in zip(tab.mesh.shape, sg.out, strict=True)
+                                   if isinstance(x, Split))
+                mem[s] += op.out_bytes / osplit * (m - 1)
+        out.append(mem)
+    return out
+
+
 def memory_with_micro(tab: StageTables, assign: list[int], m: int) -> float:
     """Per-device memory with m micro-batches' activations alive (GPipe)."""
-    total = 0.0
-    for i, s in enumerate(assign):
-        op, sg = tab.graph.ops[i], tab.sigs[i][s]
-        act = 0.0
-        if tab.options.keep_activations and op.out_shape:
-            osplit = math.prod(p for p, x in zip(tab.mesh.shape, sg.out, strict=True)
-                               if isinstance(x, Split))
-            act = op.out_bytes / osplit
-        total += float(tab.mem[i][s]) - act + act * m
-    return total
+    mem = micro_memory(tab, m)
+    return sum(float(mem[i][s]) for i, s in enumerate(assign))
 
 
 def plan_summary(report: CostReport) -> dict[str, Any]:

@@ -46,6 +46,11 @@ class Op:
     heads: int = 0
     """Attention heads (a head-parallel split must divide them); 0 for other ops."""
     dtype_bytes: int = 4
+    stage_start: bool = False
+    """A pipeline stage may begin here: the op starts a piece of the model's forward that
+    runs on its own (a GPT's embedding, attention half, MLP half, final norm, head; a child of
+    a Sequential). The graph builders set it; LayerGraph.stage_starts reads it, and both the
+    planner and the pipeline executor (parallel.pipeline) cut only there."""
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
@@ -104,6 +109,26 @@ class LayerGraph:
                 cuts.append(i)
         return cuts
 
+    def stage_starts(self) -> list[int]:
+        """Indices i > 0 where a pipeline stage may begin (ops[:i] | ops[i:]): exactly one
+        tensor crosses (a cut point) and ops[i] is marked `stage_start`, or ops[i] begins a
+        run of reshape ops just before a marked op (a free reshape may go with either stage).
+        A graph with no op marked (built by hand) may be cut at every cut point except before
+        a cross-entropy op (a stage of only the loss runs no module). The one definition of
+        the allowed boundaries, for the planner and the pipeline executor alike."""
+        cuts = {c + 1 for c in self.cut_points()}
+        marked = [op.stage_start for op in self.ops]
+        if not any(marked):
+            return sorted(i for i in cuts if self.ops[i].kind != "cross_entropy")
+        out = []
+        for i in sorted(cuts):
+            j = i
+            while j < len(self.ops) and self.ops[j].kind == "reshape" and not marked[j]:
+                j += 1
+            if j < len(self.ops) and marked[j]:
+                out.append(i)
+        return out
+
     def scaled(self, fraction: float) -> LayerGraph:
         """The same graph on a micro-batch of `fraction` of the batch (FLOPs and activations
         scale, parameters do not)."""
@@ -142,16 +167,18 @@ def gpt_graph(n_layer: int, n_embd: int, n_head: int, vocab: int, block_size: in
     pre-norm blocks (q, k, v projections, causal attention, output projection, 4x MLP with
     GELU, two residual adds), final layer norm, LM head, cross-entropy. Op names are the
     module paths (tok_emb, blocks.<i>.attn.q, ...); functional ops get descriptive names.
-    The position embedding's parameters are counted with tok_emb."""
+    The position embedding's parameters are counted with tok_emb. Pipeline stages may start
+    at tok_emb, each block's ln1 (attention half) and ln2 (MLP half), ln_f and head."""
     b, t, c = batch, block_size, n_embd
     x = (b, t, c)
     ln_bytes = float(c * (2 if bias else 1)) * 4
     ops: list[Op] = [Op("tok_emb", "embedding", ("",), ((b, t),), x, 2.0 * b * t * c,
-                        (vocab, c), float((vocab + block_size) * c) * 4, 2)]
+                        (vocab, c), float((vocab + block_size) * c) * 4, 2, stage_start=True)]
     prev = "tok_emb"
     for i in range(n_layer):
         p = f"blocks.{i}"
-        ops += [Op(f"{p}.ln1", "layernorm", (prev,), (x,), x, 8.0 * b * t * c, (c,), ln_bytes, 2),
+        ops += [Op(f"{p}.ln1", "layernorm", (prev,), (x,), x, 8.0 * b * t * c, (c,), ln_bytes, 2,
+                   stage_start=True),
                 *(_linear(f"{p}.attn.{w}", f"{p}.ln1", x, c, 2, bias) for w in "qkv"),
                 Op(f"{p}.attn.core", "attention", tuple(f"{p}.attn.{w}" for w in "qkv"),
                    (x, x, x), x, 4.0 * b * t * t * c + 5.0 * b * n_head * t * t, (), 0.0, 2,
@@ -159,14 +186,15 @@ def gpt_graph(n_layer: int, n_embd: int, n_head: int, vocab: int, block_size: in
                 _linear(f"{p}.attn.proj", f"{p}.attn.core", x, c, 2, bias),
                 _simple(f"{p}.add_1", "add", (prev, f"{p}.attn.proj"), x, 2),
                 Op(f"{p}.ln2", "layernorm", (f"{p}.add_1",), (x,), x, 8.0 * b * t * c, (c,),
-                   ln_bytes, 2),
+                   ln_bytes, 2, stage_start=True),
                 _linear(f"{p}.mlp.fc", f"{p}.ln2", x, 4 * c, 2, bias),
                 _simple(f"{p}.mlp.gelu", "elementwise", (f"{p}.mlp.fc",), (b, t, 4 * c), 2, 8.0),
                 _linear(f"{p}.mlp.proj", f"{p}.mlp.gelu", (b, t, 4 * c), c, 2, bias),
                 _simple(f"{p}.add_2", "add", (f"{p}.add_1", f"{p}.mlp.proj"), x, 2)]
         prev = f"{p}.add_2"
-    ops += [Op("ln_f", "layernorm", (prev,), (x,), x, 8.0 * b * t * c, (c,), ln_bytes, 2),
-            _linear("head", "ln_f", x, vocab, 2, bias=False),
+    ops += [Op("ln_f", "layernorm", (prev,), (x,), x, 8.0 * b * t * c, (c,), ln_bytes, 2,
+               stage_start=True),
+            replace(_linear("head", "ln_f", x, vocab, 2, bias=False), stage_start=True),
             _simple("loss", "cross_entropy", ("head",), (b, t, vocab), 2, 4.0, out_shape=())]
     return LayerGraph(f"gpt-{n_layer}x{n_embd}", tuple(ops), batch)
 
@@ -182,9 +210,9 @@ def vgg_graph(batch: int, image: tuple[int, int, int] = (3, 32, 32), width: int 
     ops: list[Op] = []
     prev, k = "", 0
 
-    def add(op: Op) -> None:
+    def add(op: Op) -> None:  # every module of features / classifier may start a stage
         nonlocal prev, k
-        ops.append(op)
+        ops.append(replace(op, stage_start=op.name.startswith(("features.", "classifier."))))
         prev, k = op.name, k + 1
 
     for i, n in enumerate(convs):
@@ -217,7 +245,8 @@ def graph_from_module(model: Any, example_input: Any, name: str = "traced") -> L
     Each Linear, Conv, Embedding, LayerNorm and activation/pool/flatten/dropout leaf becomes an
     op reading the previous one (residual adds and functional code between modules are not
     seen, so this suits Sequential-like models; use gpt_graph for transformers). A cross-entropy
-    op is appended on the last output.
+    op is appended on the last output. The ops of the model's direct children (the pieces of
+    a Sequential) may start a pipeline stage.
     """
     import torch
     from torch import nn
@@ -265,7 +294,7 @@ def graph_from_module(model: Any, example_input: Any, name: str = "traced") -> L
         else:
             op = _simple(mod_name, "elementwise", (prev,), ins, ops[-1].fdim if ops else 1,
                          1.0, out_shape=out)
-        ops.append(op)
+        ops.append(replace(op, stage_start="." not in mod_name))
         prev = mod_name
     last = ops[-1]
     ops.append(_simple("loss", "cross_entropy", (prev,), last.out_shape, last.fdim, 4.0,

@@ -11,13 +11,20 @@ else 1e12 + the excess bytes, so any feasible plan beats every infeasible one.
 
 The outer search tries candidate meshes (1-D over all devices, sites x local 2-D meshes with
 the inner axis inside a site, 2-D factorisations of a single site, each site alone, the
-fastest 2^k devices: a lockstep mesh runs at its slowest member's pace) and GPipe pipelines
-(device groups by site or by speed, layers cut at single-tensor boundaries balanced on group
-capacity), and returns the fastest feasible plan with the data-parallel baseline.
+fastest 2^k devices: a lockstep mesh runs at its slowest member's pace, and the 2^k with
+the most memory when memory differs) and GPipe pipelines
+(equal-sized device groups by site, by speed or by memory; layers cut only where the pipeline
+executor can cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and
+the exact min-max split of the cost model's per-op stage times under each group's memory cap,
+so a slower or smaller device's stage gets fewer layers), and returns the fastest plan that
+fits every device's memory (memory_bytes) with the data-parallel baseline. When no candidate
+fits, search_plan raises one ConfigError line with the leanest plan's need, its device's cap,
+the shortfall and the largest device's memory.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import time
@@ -33,11 +40,14 @@ from hetrain.plan.cost import (
     Plan,
     StagePlan,
     StageTables,
+    _boundary_link_s,
+    micro_memory,
     plan_cost,
     stage_tables,
 )
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
+from hetrain.plan.split import min_max_split
 
 INFEASIBLE = 1e12
 
@@ -52,7 +62,8 @@ class SearchOptions:
     pipeline: bool = True
     """Also try GPipe pipelines over device groups."""
     subsets: bool = True
-    """Also try meshes over the fastest devices only and over single sites."""
+    """Also try meshes over the fastest devices only, over those with the most memory (when
+    memory differs) and over single sites."""
     seed: int = 0
 
 
@@ -207,12 +218,16 @@ def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
     if subsets:
         if len(sites) > 1:
             meshes += [Mesh((len(v),), tuple(v)) for v in sites.values()]
-        speeds = {d.flops for d in cluster.devices}
-        if len(speeds) > 1:
-            fast = sorted(range(n), key=lambda i: (-cluster.devices[i].flops, i))
+        devs = cluster.devices
+        rankings = []
+        if len({d.flops for d in devs}) > 1:
+            rankings.append(sorted(range(n), key=lambda i: (-devs[i].flops, i)))
+        if len({d.memory_bytes for d in devs}) > 1:  # the devices with the most room
+            rankings.append(sorted(range(n), key=lambda i: (-devs[i].memory_bytes, -devs[i].flops, i)))
+        for best in rankings:
             k = 1
             while k < n:
-                sel = sorted(fast[:k], key=lambda i: (order.index(i)))
+                sel = sorted(best[:k], key=lambda i: (order.index(i)))
                 meshes.append(Mesh((k,), tuple(sel)))
                 k *= 2
     seen, out = set(), []
@@ -223,35 +238,78 @@ def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
     return out
 
 
-def _balanced_cuts(graph: LayerGraph, capacity: list[float]) -> list[int] | None:
-    """k-1 cut indices minimising max_s flops_s / capacity_s (exhaustive over cut points)."""
-    k, cuts = len(capacity), graph.cut_points()
-    if len(cuts) < k - 1:
+def _balanced_bounds(graph: LayerGraph, capacity: list[float]) -> list[int] | None:
+    """Stage bounds minimising max_s flops_s / capacity_s over the allowed stage starts (the
+    FLOP-proportional split; exact, by min_max_split)."""
+    k, n = len(capacity), len(graph.ops)
+    starts = graph.stage_starts()
+    if len(starts) < k - 1:
         return None
-    pre = np.cumsum([op.flops for op in graph.ops])
-    best, best_cuts = math.inf, None
-    combos = itertools.combinations(cuts, k - 1) if math.comb(len(cuts), k - 1) <= 20000 else []
-    for c in combos:
-        bounds = [-1, *c, len(graph.ops) - 1]
-        loads = [(pre[bounds[j + 1]] - (pre[bounds[j]] if bounds[j] >= 0 else 0)) / capacity[j]
-                 for j in range(k)]
-        if max(loads) < best:
-            best, best_cuts = max(loads), list(c)
-    return best_cuts
+    costs = [[op.flops / c for op in graph.ops] for c in capacity]
+    return min_max_split(costs, starts)[0] if k > 1 else [0, n]
+
+
+def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: int,
+                  cost_options: CostOptions | None) -> list[int] | None:
+    """Stage bounds minimising the slowest stage's micro-batch time as the cost model prices
+    it for data-parallel stages (per-op compute on that stage's devices at their slowest
+    member's speed, the boundary activation and gradient over the link to the next stage),
+    each stage within its devices' memory cap (with m micro-batches' activations): a stage on
+    devices with less room gets fewer or lighter layers. If no split fits data parallel, the
+    caps are checked against each op's leanest signature (what the stage's own SBP search may
+    reach); if none fits even so, the split with the least excess over a cap is returned."""
+    k, n = len(meshes), len(micro.ops)
+    starts = micro.stage_starts()
+    if len(starts) < k - 1:
+        return None
+    costs, send, dp_mem, lean_mem, caps = [], [], [], [], []
+    for s, mesh in enumerate(meshes):
+        try:
+            tab = stage_tables(micro, mesh, cluster, cost_options)
+        except ConfigError:
+            return None
+        a = named_assignment(tab, ("dp", "rep"))
+        costs.append([float(tab.compute[i][a[i]] + tab.internal[i][a[i]]) for i in range(n)])
+        mem = micro_memory(tab, m)
+        dp_mem.append([float(mem[i][a[i]]) for i in range(n)])
+        lean_mem.append([float(x.min()) for x in mem])
+        caps.append(tab.memory_limit_bytes)
+        row = [0.0] * (n + 1)
+        if s + 1 < k:
+            for j in starts:
+                row[j] = 2 * _boundary_link_s(cluster, mesh, meshes[s + 1], micro.ops[j - 1].out_bytes)
+        send.append(row)
+    for memory in (dp_mem, lean_mem):
+        try:
+            return min_max_split(costs, starts, send=send, memory=memory, caps=caps)[0]
+        except ConfigError:
+            continue
+    # nothing fits: the split with the least excess over a cap (what the error will report)
+    return min_max_split(lean_mem, starts, send=[[-c] * (n + 1) for c in caps])[0]
 
 
 def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
+    """Device groups for pipeline stages, in stage order: the sites (and pairs of sites) when
+    they are equal in size, and 2 or 4 equal groups by speed and, when the devices' memory
+    differs, by memory. Every group has as many devices (the pipeline executor feeds device
+    j of a stage from device j of the one before)."""
     sites = list(_by_site(cluster).values())
     out = []
-    if len(sites) > 1:
+    if len(sites) > 1 and len({len(v) for v in sites}) == 1:
         out.append(sites)
         if len(sites) % 2 == 0 and len(sites) > 2:
             out.append([sites[j] + sites[j + 1] for j in range(0, len(sites), 2)])
-    by_speed = sorted(range(cluster.n), key=lambda i: (cluster.devices[i].flops, i))
-    for k in (2, 4):
-        if cluster.n % k == 0 and cluster.n >= k:
-            c = cluster.n // k
-            out.append([sorted(by_speed[j * c:(j + 1) * c]) for j in range(k)])
+    devs = cluster.devices
+    orders = [sorted(range(cluster.n), key=lambda i: (devs[i].flops, i))]
+    if len({d.memory_bytes for d in devs}) > 1:
+        orders.append(sorted(range(cluster.n), key=lambda i: (devs[i].memory_bytes, devs[i].flops, i)))
+    for order in orders:
+        for k in (2, 4):
+            if cluster.n % k == 0 and cluster.n >= k:
+                c = cluster.n // k
+                groups = [sorted(order[j * c:(j + 1) * c]) for j in range(k)]
+                if groups not in out:
+                    out.append(groups)
     return out
 
 
@@ -305,33 +363,71 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
     reports = [(plan_cost(graph, p, cluster, cost_options), p, d) for p, d in found]
     rank = sorted(reports, key=lambda r: (not r[0].feasible, r[0].time_s if r[0].feasible
                                           else r[0].memory_bytes - r[0].memory_limit_bytes))
+    if not rank[0][0].feasible:
+        raise ConfigError(_shortfall(graph, cluster, rank[0][0], rank[0][2], len(reports),
+                                     cost_options))
     base = data_parallel_plan(graph, cluster, options=cost_options)
     return SearchResult(rank[0][1], rank[0][0], base, plan_cost(graph, base, cluster, cost_options),
                         tuple((d, r.time_s, r.feasible) for r, _, d in reports),
                         time.perf_counter() - t0)
 
 
+def _gib(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below 1 GiB."""
+    return f"{nbytes / 2**30:.3g} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3g} MiB"
+
+
+def _shortfall(graph: LayerGraph, cluster: Cluster, lean: CostReport, desc: str, tried: int,
+               cost_options: CostOptions | None) -> str:
+    """The one-line error when no candidate fits: what the leanest plan needs, on which cap,
+    the shortfall, the largest device and the model's parameter state."""
+    opt = (cost_options or CostOptions()).optimizer_states
+    state = graph.param_bytes() * (2 + opt)
+    big = max(cluster.devices, key=lambda d: d.memory_bytes)
+    return (f"'{graph.name}' (batch {graph.batch}) fits no device memory on '{cluster.name}': "
+            f"the leanest of {tried} plans ({desc}) needs {_gib(lean.memory_bytes)} on a device "
+            f"of {_gib(lean.memory_limit_bytes)}, short by "
+            f"{_gib(lean.memory_bytes - lean.memory_limit_bytes)} (parameters + gradients + "
+            f"optimizer state + activations as the cost model counts them; the model's "
+            f"parameters + gradients + optimizer state alone take {_gib(state)}); the largest "
+            f"device, '{big.name}', has {_gib(big.memory_bytes)}. Use devices with more "
+            "memory, more devices, or a smaller batch or model")
+
+
 def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]],
                      o: SearchOptions, cost_options: CostOptions | None) -> list[tuple[Plan, str]]:
+    """GPipe candidates with one stage per group (in order) and k, 2k or 4k micro-batches,
+    cut at the graph's stage starts two ways: FLOP-proportional to the groups' capacity (size
+    x slowest speed) and by the cost model's per-op times (_speed_bounds: a slower or fuller
+    stage gets fewer layers). Each stage then gets its own SBP search on its devices, memory
+    counted with all micro-batches' activations; plan_cost prices every candidate."""
     k = len(groups)
-    cap = [len(g) * min(cluster.devices[i].flops for i in g) for g in groups]
-    cuts = _balanced_cuts(graph, cap)
-    if cuts is None:
-        return []
-    bounds = [0, *(c + 1 for c in cuts), len(graph.ops)]
+    meshes = [Mesh((len(g),), tuple(g)) for g in groups]
+    flops_bounds = _balanced_bounds(graph, [len(g) * min(cluster.devices[i].flops for i in g)
+                                            for g in groups])
     out = []
     for m in (k, 2 * k, 4 * k):
         if graph.batch % m:
             continue
         micro = graph.scaled(1.0 / m)
-        stages = []
-        for j, g in enumerate(groups):
-            tab = stage_tables(micro.subgraph(bounds[j], bounds[j + 1]), Mesh((len(g),), tuple(g)),
-                              cluster, cost_options)
-            stages.append((tab, search_stage(tab, o)[0]))
-        plan = to_plan(graph, stages, m)
-        desc = f"pipeline {k} stages x {m} micro {[len(g) for g in groups]}"
-        out.append((plan, desc))
+        tried: dict[tuple[int, ...], str] = {}
+        for how, bounds in (("speed", _speed_bounds(micro, cluster, meshes, m, cost_options)),
+                            ("flops", flops_bounds)):
+            if bounds is not None:
+                tried.setdefault(tuple(bounds), how)
+        for bounds, how in tried.items():
+            stages = []
+            try:
+                for j, mesh in enumerate(meshes):
+                    tab = copy.copy(stage_tables(micro.subgraph(bounds[j], bounds[j + 1]), mesh,
+                                                 cluster, cost_options))
+                    tab.mem = micro_memory(tab, m)  # the stage search sees GPipe's memory
+                    stages.append((tab, search_stage(tab, o)[0]))
+            except ConfigError:
+                continue
+            sizes = [b - a for a, b in itertools.pairwise(bounds)]
+            out.append((to_plan(graph, stages, m), f"pipeline {k} stages x {m} micro "
+                        f"{[len(g) for g in groups]} {how} split {sizes} ops"))
     return out
 
 

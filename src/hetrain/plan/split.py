@@ -22,36 +22,58 @@ from hetrain.plan.graph import LayerGraph, Op
 from hetrain.plan.sbp import Mesh, signatures
 
 
-def min_max_split(costs: Sequence[Sequence[float]],
-                  starts: Collection[int] | None = None) -> tuple[list[int], float]:
-    """Stage bounds [0, b_1, ..., n] minimising max_s sum(costs[s][b_s:b_s+1]).
+def min_max_split(costs: Sequence[Sequence[float]], starts: Collection[int] | None = None, *,
+                  send: Sequence[Sequence[float]] | None = None,
+                  memory: Sequence[Sequence[float]] | None = None,
+                  caps: Sequence[float] | None = None) -> tuple[list[int], float]:
+    """Stage bounds [0, b_1, ..., n] minimising the slowest stage, stage s holding ops
+    [b_s, b_s+1) and taking sum(costs[s][b_s:b_s+1]) + send[s][b_s+1].
 
-    costs[s][i] is the time of op i on stage s's device (k rows of n ops); each stage gets at
-    least one op; `starts` restricts where a stage after the first may begin (default: any op).
-    Returns (bounds, the slowest stage's time); raises ConfigError when no split exists."""
+    costs[s][i] is the time of op i on stage s's devices (k rows of n ops); send[s][j] (k rows
+    of n + 1, optional) is stage s's extra time when it ends before op j (passing the boundary
+    tensor on; j = n, the last stage, normally 0); each stage gets at least one op; `starts`
+    restricts where a stage after the first may begin (default: any op). With memory[s][i]
+    (bytes of op i on stage s's devices) and caps[s], a stage whose ops exceed its cap is
+    not allowed. Returns (bounds, the slowest stage's time); raises ConfigError when no split
+    exists."""
     k, n = len(costs), len(costs[0]) if costs else 0
     if k == 0 or any(len(row) != n for row in costs):
         raise ConfigError("min_max_split: costs must be k >= 1 rows of equal length")
+    if send is not None and (len(send) != k or any(len(row) != n + 1 for row in send)):
+        raise ConfigError("min_max_split: send must be k rows of n + 1 values")
+    if (memory is None) != (caps is None) or (memory is not None and caps is not None and (
+            len(memory) != k or len(caps) != k or any(len(row) != n for row in memory))):
+        raise ConfigError("min_max_split: memory (k rows of n) and caps (k) go together")
     ok = [i in starts if starts is not None else True for i in range(n + 1)]
     ok[0] = ok[n] = True
     pre = np.zeros((k, n + 1))
     pre[:, 1:] = np.cumsum(np.asarray(costs, dtype=float), axis=1)
+    tail = np.asarray(send, dtype=float) if send is not None else np.zeros((k, n + 1))
+    mpre = np.zeros((k, n + 1))
+    if memory is not None:
+        mpre[:, 1:] = np.cumsum(np.asarray(memory, dtype=float), axis=1)
+    cap = np.asarray(caps, dtype=float) if caps is not None else np.full(k, np.inf)
     inf = float("inf")
     # best[s][j]: the slowest of stages 0..s when they hold ops[:j]; arg[s][j] its last start
     best = np.full((k, n + 1), inf)
     arg = np.zeros((k, n + 1), dtype=int)
-    best[0, 1:] = pre[0, 1:]
+    fits0 = mpre[0, 1:] <= cap[0]
+    best[0, 1:] = np.where(fits0, pre[0, 1:] + tail[0, 1:], inf)
+    pos = [i for i in range(1, n + 1) if ok[i]]  # only allowed boundaries (and n)
     for s in range(1, k):
-        for j in range(s + 1, n + 1):
-            if not ok[j]:
+        for j in pos:
+            if j < s + 1:
                 continue
-            for i in range(s, j):
-                if ok[i] and best[s - 1, i] < inf:
-                    t = max(best[s - 1, i], pre[s, j] - pre[s, i])
+            for i in pos:
+                if i >= j:
+                    break
+                if best[s - 1, i] < inf and mpre[s, j] - mpre[s, i] <= cap[s]:
+                    t = max(best[s - 1, i], pre[s, j] - pre[s, i] + tail[s, j])
                     if t < best[s, j]:
                         best[s, j], arg[s, j] = t, i
     if best[k - 1, n] == inf:
-        raise ConfigError(f"cannot split {n} ops into {k} stages at the allowed boundaries")
+        what = " within the memory caps" if caps is not None else ""
+        raise ConfigError(f"cannot split {n} ops into {k} stages at the allowed boundaries{what}")
     bounds = [n]
     for s in range(k - 1, 0, -1):
         bounds.append(int(arg[s, bounds[-1]]))
@@ -70,14 +92,14 @@ def speed_split(graph: LayerGraph, cluster: Cluster, devices: Sequence[int], n_m
                 options: CostOptions | None = None,
                 starts: Collection[int] | None = None) -> Plan:
     """A pipeline Plan with one stage per device of `devices` (in that order), cut to minimise
-    the slowest stage's compute on a micro-batch. `starts` defaults to the graph's cut points
-    (where exactly one tensor crosses)."""
+    the slowest stage's compute on a micro-batch. `starts` defaults to the graph's stage
+    starts (LayerGraph.stage_starts: the boundaries the pipeline executor can run)."""
     if n_micro < 1 or graph.batch % n_micro:
         raise ConfigError(f"batch {graph.batch} is not divisible by n_micro={n_micro}")
     micro = graph.scaled(1.0 / n_micro) if n_micro > 1 else graph
     costs = [op_compute_s(micro, cluster, d, options) for d in devices]
     if starts is None:
-        starts = {c + 1 for c in graph.cut_points()}
+        starts = set(graph.stage_starts())
     bounds, _ = min_max_split(costs, starts)
     return pipeline_plan(graph, bounds, [Mesh((1,), (d,)) for d in devices], n_micro)
 
