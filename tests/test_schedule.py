@@ -457,32 +457,23 @@ def test_plateau_factors_equal_torch_for_a_metric_sequence(options: dict) -> Non
         assert sched.factor(step) == f and sched.factor(step + 4) == f
 
 
-def test_sim_plateau_drops_the_lr_after_a_plateau(mnist1d_cnn_small) -> None:
+@pytest.mark.parametrize(("strategy", "options", "metric"), [
+    ("ddp", {"patience": 1, "factor": 0.5, "threshold": 0.5}, "test_loss"),
+    ("cadp", {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 0.5}, "test_accuracy")])
+def test_sim_plateau_drops_the_lr_after_a_plateau(strategy, options, metric,
+                                                  mnist1d_cnn_small) -> None:
     """A threshold of 50%: no evaluation improves enough, so every patience + 1 evaluations
-    the lr halves; each row's lr is torch's ReduceLROnPlateau stepped on the rows before it."""
-    options = {"patience": 1, "factor": 0.5, "threshold": 0.5}
-    cfg = make_cfg("ddp", epochs=0.1,
+    the lr halves; each row's lr is torch's ReduceLROnPlateau stepped on the rows before it
+    (the test loss, or the accuracy in mode max)."""
+    cfg = make_cfg(strategy, epochs=0.1,
                    scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
     rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
     opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
     ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
     for row in rows:
         assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
-        ref.step(row["test_loss"])
+        ref.step(row[metric])
     assert rows[0]["lr"] == pytest.approx(0.05) and rows[-1]["lr"] <= 0.05 / 4, rows
-
-
-def test_sim_plateau_with_accuracy_mode_max(mnist1d_cnn_small) -> None:
-    options = {"mode": "max", "patience": 0, "factor": 0.5, "threshold": 0.5}
-    cfg = make_cfg("cadp", epochs=0.06,
-                   scheduler={"scheduler": "ReduceLROnPlateau", "scheduler_options": options})
-    rows = run_config(cfg, runs_root=None, workload=mnist1d_cnn_small).rows
-    opt_ = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
-    ref = torch.optim.lr_scheduler.ReduceLROnPlateau(opt_, **options)
-    for row in rows:
-        assert row["lr"] == pytest.approx(opt_.param_groups[0]["lr"], rel=1e-12), rows
-        ref.step(row["test_accuracy"])
-    assert rows[-1]["lr"] < 0.05, rows
 
 
 @pytest.mark.dist

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from hetrain.api import train
 from hetrain.cli import main
@@ -24,6 +23,7 @@ from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint, save_che
 from hetrain.engine.signals import RunInterrupted
 from hetrain.errors import ConfigError
 from hetrain.runner import run_config
+from test_api import Blobs  # three 2-D Gaussian blobs, items (tensor, int)
 
 
 def cfg_of(strategy: str = "asp", epochs: float = 1.0, **train_keys: Any) -> RunConfig:
@@ -100,20 +100,6 @@ def test_a_resumed_run_repeats_the_uncut_run_exactly(tmp_path, strategy, how,
         (tmp_path / "full" / "c" / "metrics.jsonl").read_bytes()
     assert summary_without_config(tmp_path / "cut" / "c") == \
         summary_without_config(tmp_path / "full" / "c")
-
-
-class Blobs(Dataset):
-    def __init__(self, n: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-        centers = torch.tensor([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.5]])
-        self.x = centers[self.y] + 0.6 * torch.randn(n, 2, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return self.x[i], int(self.y[i])
 
 
 def tiny() -> nn.Module:

@@ -89,13 +89,7 @@ class TrainResult(RunResult):
 # ---- wrapping the user's model and data -------------------------------------------------------
 def _first_item(dataset: Any, what: str) -> tuple[Tensor, Tensor]:
     """Check that `dataset` is a non-empty map-style set of (input, target); collate item 0."""
-    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__")
-                                                    and hasattr(dataset, "__len__")):
-        raise ConfigError(f"{what} must be a map-style torch Dataset (with __len__ and "
-                          f"__getitem__), got {type(dataset).__name__}; wrap an iterable data "
-                          "set in a list or a Dataset class that indexes it")
-    if len(dataset) == 0:
-        raise ConfigError(f"{what} is empty")
+    _check_map_style(dataset, what)
     item = dataset[0]
     if not isinstance(item, tuple | list) or len(item) != 2:
         raise ConfigError(f"{what}[0] must be an (input, target) pair, got "
