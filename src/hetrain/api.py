@@ -101,6 +101,17 @@ def _first_item(dataset: Any, what: str) -> tuple[Tensor, Tensor]:
     return x, y
 
 
+def _probe_model(build: Callable[[], Any]) -> nn.Module:
+    """One model from the user's factory, checked before any process starts."""
+    probe = build()
+    if not isinstance(probe, nn.Module):
+        raise ConfigError(f"the model factory returned {type(probe).__name__}, not an "
+                          "nn.Module")
+    if not any(p.requires_grad for p in probe.parameters()):
+        raise ConfigError(f"model {type(probe).__name__} has no trainable parameters")
+    return probe
+
+
 def _check_map_style(dataset: Any, what: str) -> None:
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__")
                                                     and hasattr(dataset, "__len__")):
@@ -196,12 +207,7 @@ def make_workload(model: ModelSpec, dataset: Dataset, test_dataset: Dataset | No
     n = min(2, len(dataset))  # type: ignore[arg-type]
     x, y = default_collate([tuple(dataset[i]) for i in range(n)])
     with torch.random.fork_rng(devices=[]):  # the probe must not move the caller's RNG
-        probe = build()
-        if not isinstance(probe, nn.Module):
-            raise ConfigError(f"the model factory returned {type(probe).__name__}, not an "
-                              "nn.Module")
-        if not any(p.requires_grad for p in probe.parameters()):
-            raise ConfigError(f"model {type(probe).__name__} has no trainable parameters")
+        probe = _probe_model(build)
         try:
             out = probe.train()(x)
             loss = loss_fn(out, y)
@@ -249,12 +255,7 @@ def _custom_workload(build: Callable[[], nn.Module], model: ModelSpec, dataset: 
                           "make __getitem__ return tensors or numbers, or pass collate_fn=")
     loss_fn = cross_entropy if loss_fn is None else loss_fn
     with torch.random.fork_rng(devices=[]):  # the probe must not move the caller's RNG
-        probe = build()
-        if not isinstance(probe, nn.Module):
-            raise ConfigError(f"the model factory returned {type(probe).__name__}, not an "
-                              "nn.Module")
-        if not any(p.requires_grad for p in probe.parameters()):
-            raise ConfigError(f"model {type(probe).__name__} has no trainable parameters")
+        probe = _probe_model(build)
         what = "train_step" if train_step is not None else "model/loss_fn"
         try:
             if train_step is not None:
