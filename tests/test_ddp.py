@@ -160,6 +160,7 @@ def _worker(rank, world, port, out_dir):
         result[f"params{accum}"] = [p.detach().clone() for p in model.module.parameters()]
         result[f"perm{accum}"] = sampler.permutation()
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer is still busy
     dist.destroy_process_group()
 
 

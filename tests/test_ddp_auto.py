@@ -294,6 +294,7 @@ def _estimator_worker(rank, world, port, out_dir):
                 "trace": het.noise.trace_cov, "grad_sq": het.noise.grad_sqnorm,
                 "buckets_per_step": het.hook_state.calls / steps},
                Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer is still busy
     dist.destroy_process_group()
 
 
@@ -374,6 +375,7 @@ def _e2e_worker(rank, world, port, out_dir):
     torch.save({"history": het.history, "steps": steps, "w": w, "lr_scale": het.lr_scale,
                 "seen": seen, "global_batch": het.global_batch, "errors": errors},
                Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer is still busy
     dist.destroy_process_group()
 
 
