@@ -144,12 +144,6 @@ class LrSchedule:
             self._advance()
         return self._factors[step - self._last - 1]
 
-    def follow(self, step: int, factor: float) -> None:
-        """Take the factor rank 0's schedule gives global step `step` (all-reduce workers and
-        PS shards run their own server but never see the evaluations it steps on)."""
-        if factor != self._changes[-1][1]:
-            self._changes.append((max(step, self._changes[-1][0]), factor))
-
     def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
         """An evaluation at global step `step`: nothing for a schedule of the step alone."""
 
@@ -190,9 +184,17 @@ class PlateauSchedule(LrSchedule):
                               "(a train_step without eval_fn); use mode = \"min\" (the test "
                               "loss)")
         self._scheduler.step(test_loss if self._scheduler.mode == "min" else test_accuracy)
-        f = self._optimizer.param_groups[0]["lr"]
-        if f != self._changes[-1][1]:
-            self._changes.append((step, f))
+        self._change(step, self._optimizer.param_groups[0]["lr"])
+
+    def follow(self, step: int, factor: float) -> None:
+        """Take the factor rank 0's schedule gives global step `step` (all-reduce workers and
+        PS shards run their own server but never see the evaluations it steps on)."""
+        self._change(step, factor)
+
+    def _change(self, step: int, factor: float) -> None:
+        """`factor` from global step `step` on (steps are observed in order)."""
+        if factor != self._changes[-1][1]:
+            self._changes.append((max(step, self._changes[-1][0]), factor))
 
 
 def make_schedule(name: str, options: Mapping[str, Any] | None = None) -> LrSchedule | None:
