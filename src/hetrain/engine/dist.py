@@ -4,11 +4,11 @@ Rank 0 is the parameter server, data owner and coordinator (`dist_server.Coordin
 1..n are the workers, mapped in order to the Cluster's devices (`dist_worker.Worker`). PS
 strategies use point-to-point messages (receive from whichever worker pushes first);
 all-reduce strategies (ddp, local_sgd) all-reduce among a process group of the worker ranks.
-Switch a config from the simulator to real processes with `engine = "dist"`; the [dist]
-table (backend, emulate, time_scale, worker_timeout_s, port, ps_shards) tunes it;
-train.checkpoint / checkpoint_every / resume set its checkpoints, as on the simulator. `ps_shards = S > 1` (PS strategies only) splits the parameters into S
-blocks served by rank 0 and ranks n+1..n+S-1 (`dist_shard.Shard`), so no single server
-carries every worker's full pulls and pushes.
+Switch a config from the simulator to real processes with `engine = "dist"`; the [dist] table
+(backend, emulate, time_scale, worker_timeout_s, port, ps_shards) tunes it; train.checkpoint /
+checkpoint_every / resume set its checkpoints, as on the simulator. `ps_shards = S > 1` (PS
+strategies only) splits the parameters into S blocks served by rank 0 and ranks n+1..n+S-1
+(`dist_shard.Shard`), so no single server carries every worker's full pulls and pushes.
 
 How to start it (world size = number of devices + dist.ps_shards, i.e. devices + 1 by default):
 

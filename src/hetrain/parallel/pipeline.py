@@ -14,11 +14,12 @@ Ranks: with k stages of d devices each, rank s*d + j is device j of stage s (loc
 stand in for the plan's device ids); ranks past k*d idle. A one-device stage runs plainly. A
 stage on several devices runs its own SBP plan with DTensor (execute.PlanExecutor on the
 stage's sub-graph and a DeviceMesh of its ranks: data, tensor or mixed parallel, whatever the
-plan says); its boundary activations are plain full tensors, so device j of stage s sends
-to device j of stage s+1 (one P2P group per j, d copies of each activation where the cost
-model prices one) and no DTensor crosses a boundary; the last stage keeps its output a
-DTensor for the loss op's signature (vocab-parallel cross-entropy). The schedule averages gradients over micro-batches (scale_grads), matching the mean
-loss of one whole batch when every micro-batch has the same size.
+plan says); its boundary activations are plain full tensors, so device j of stage s sends to
+device j of stage s+1 (one P2P group per j, d copies of each activation where the cost model
+prices one) and no DTensor crosses a boundary; the last stage keeps its output a DTensor for
+the loss op's signature (vocab-parallel cross-entropy). The schedule averages gradients over
+micro-batches (scale_grads), matching the mean loss of one whole batch when every micro-batch
+has the same size.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _replicas(plan: Plan) -> int:
     return sizes[0]
 
 
-def _stage_pieces(pieces: list[Piece], graph: LayerGraph, plan: Plan) -> tuple[tuple[Piece, ...], ...]:
+def _stage_pieces(pieces: list[Piece], graph: LayerGraph,
+                  plan: Plan) -> tuple[tuple[Piece, ...], ...]:
     """The pieces of each stage. The graph says where a stage may start (LayerGraph.
     stage_starts: its ops marked `stage_start`, or free reshapes just before one), the same
     boundaries the planner cuts at; the model's pieces must start exactly at the marked ops."""

@@ -191,8 +191,9 @@ def _anon(op: Op) -> Op:
 
 
 _NodeTables = tuple[list[NdSignature], np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+_EdgeTables = dict[tuple[Op, Op, int], np.ndarray]
 _SHARED: OrderedDict[tuple[Mesh, Cluster, CostOptions],
-                     tuple[dict[Op, _NodeTables], dict[tuple[Op, Op, int], np.ndarray]]] = OrderedDict()
+                     tuple[dict[Op, _NodeTables], _EdgeTables]] = OrderedDict()
 
 
 def _shared_tables(mesh: Mesh, cluster: Cluster, options: CostOptions

@@ -223,7 +223,8 @@ def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
         if len({d.flops for d in devs}) > 1:
             rankings.append(sorted(range(n), key=lambda i: (-devs[i].flops, i)))
         if len({d.memory_bytes for d in devs}) > 1:  # the devices with the most room
-            rankings.append(sorted(range(n), key=lambda i: (-devs[i].memory_bytes, -devs[i].flops, i)))
+            rankings.append(sorted(range(n),
+                                   key=lambda i: (-devs[i].memory_bytes, -devs[i].flops, i)))
         for best in rankings:
             k = 1
             while k < n:
@@ -277,7 +278,8 @@ def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: in
         row = [0.0] * (n + 1)
         if s + 1 < k:
             for j in starts:
-                row[j] = 2 * _boundary_link_s(cluster, mesh, meshes[s + 1], micro.ops[j - 1].out_bytes)
+                row[j] = 2 * _boundary_link_s(cluster, mesh, meshes[s + 1],
+                                              micro.ops[j - 1].out_bytes)
         send.append(row)
     for memory in (dp_mem, lean_mem):
         try:
@@ -302,7 +304,8 @@ def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
     devs = cluster.devices
     orders = [sorted(range(cluster.n), key=lambda i: (devs[i].flops, i))]
     if len({d.memory_bytes for d in devs}) > 1:
-        orders.append(sorted(range(cluster.n), key=lambda i: (devs[i].memory_bytes, devs[i].flops, i)))
+        orders.append(sorted(range(cluster.n),
+                             key=lambda i: (devs[i].memory_bytes, devs[i].flops, i)))
     for order in orders:
         for k in (2, 4):
             if cluster.n % k == 0 and cluster.n >= k:
