@@ -74,6 +74,38 @@ def test_gpt_pipelines_of_dtensor_stages_train_like_one_process() -> None:
     _run_and_compare(plans, ("gpipe", "1f1b"))
 
 
+def _holders(rank: int, world: int, plan: Plan) -> int:
+    from hetrain.parallel.execute import make_executor
+
+    torch.manual_seed(0)
+    ex = make_executor(build_gpt(), GRAPH, plan, cross_entropy)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    ex.step(x, y, torch.optim.SGD(ex.parameters(), lr=0.1) if ex.parameters() else None)
+    return sum(p.numel() for p in ex.parameters())
+
+
+@pytest.mark.dist
+def test_stages_run_on_the_devices_the_plan_names() -> None:
+    """Rank r is cluster device r: a stage the planner put on devices 2 and 3 (say, the
+    small-memory ones) runs there, not on the first ranks; a one-stage plan on a subset of
+    the devices runs on that subset while the others idle; both train like one process."""
+    from hetrain.parallel.launch import run_local
+
+    reversed_stages = Plan(GRAPH.name, tuple(
+        StagePlan(mesh, st.ops, st.signatures) for mesh, st in
+        zip((Mesh((2,), (2, 3)), Mesh((2,), (0, 1))), _two_by_two(8, ("dp", "tp"), 2).stages,
+            strict=True)), 2)
+    one_device = pipeline_plan(GRAPH, [0, 20, N], [Mesh((1,), (3,)), Mesh((1,), (1,))], 2)
+    subset = template_plan(GRAPH, Mesh((2,), (1, 3)), "tp")
+    held = [run_local(_holders, 4, (p,), timeout_s=120) for p in (reversed_stages, one_device,
+                                                                  subset)]
+    assert [h > 0 for h in held[0]] == [True] * 4 and held[0][2] == held[0][3] != held[0][0]
+    assert [h > 0 for h in held[1]] == [False, True, False, True] and held[1][3] > held[1][1]
+    assert [h > 0 for h in held[2]] == [False, True, False, True]
+    _run_and_compare((reversed_stages, one_device, subset), ("gpipe", "1f1b", "gpipe"))
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 def _refusal(plan, model=None) -> str:  # type: ignore[no-untyped-def]
     from hetrain.parallel.pipeline import pipeline_layout

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
@@ -223,15 +224,48 @@ class Executor(Protocol):
         ...
 
 
+class SubsetExecutor:
+    """A one-stage plan on some of the group's ranks (the planner left slow or small devices
+    out): the plan's device ids are ranks; the others idle and receive the loss."""
+
+    def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None,
+                 comm: MeshComm | None):
+        st = plan.stages[0]
+        if max(st.mesh.devices) >= dist.get_world_size():
+            raise ConfigError(f"the plan names device {max(st.mesh.devices)}, the group has "
+                              f"{dist.get_world_size()} processes; run it on a cluster of the "
+                              "plan's devices")
+        # every rank builds the mesh (its groups are created collectively)
+        mesh = DeviceMesh("cpu", torch.tensor(st.mesh.devices).view(st.mesh.shape))
+        self.src = st.mesh.devices[0]
+        self.inner = PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm) \
+            if dist.get_rank() in st.mesh.devices else None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.inner.parameters() if self.inner is not None else []
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        loss = torch.zeros(1)
+        if self.inner is not None:
+            loss.fill_(self.inner.step(x, y, optimizer))
+        dist.broadcast(loss, src=self.src)
+        return float(loss)
+
+
 def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
                   loss_fn: Callable[[Tensor, Tensor], Tensor], *, cluster: Cluster | None = None,
                   comm: MeshComm | None = None, schedule: str = "gpipe") -> Executor:
     """The executor for `plan` on the current process group: PipelineExecutor (with the
-    `schedule`, "gpipe" or "1f1b") for pipeline plans, else a PlanExecutor on a device mesh of
-    the plan's shape. Call on every rank."""
+    `schedule`, "gpipe" or "1f1b") for pipeline plans, a PlanExecutor on a device mesh of the
+    plan's shape when the plan spans every rank, else a SubsetExecutor. The plan's device
+    ids are ranks. Call on every rank."""
     if len(plan.stages) > 1:
         from hetrain.parallel.pipeline import PipelineExecutor
 
         return PipelineExecutor(model, graph, plan, loss_fn, schedule)
+    devices = plan.stages[0].mesh.devices
+    if tuple(devices) != tuple(range(dist.get_world_size())):
+        return SubsetExecutor(model, graph, plan, loss_fn, cluster, comm)
     mesh = init_device_mesh("cpu", plan.stages[0].mesh.shape)
     return PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm)

@@ -10,8 +10,9 @@ model. A boundary must fall where a piece starts (a free reshape op before it ma
 either side): the graph marks those ops (Op.stage_start, LayerGraph.stage_starts), and the
 planner cuts only there too.
 
-Ranks: with k stages of d devices each, rank s*d + j is device j of stage s (local processes
-stand in for the plan's device ids); ranks past k*d idle. A one-device stage runs plainly. A
+Ranks: the plan's device ids are ranks (rank r runs cluster device r, as `hetrain run` and
+torchrun place them), so a stage runs on the devices the planner sized it for (a slower or
+smaller device holds fewer layers); ranks no stage names idle. A one-device stage runs plainly. A
 stage on several devices runs its own SBP plan with DTensor (execute.PlanExecutor on the
 stage's sub-graph and a DeviceMesh of its ranks: data, tensor or mixed parallel, whatever the
 plan says); its boundary activations are plain full tensors, so device j of stage s sends to
@@ -235,6 +236,19 @@ class StageModule(nn.Module):
         return x.full_tensor() if isinstance(x, DTensor) and not self.keep_dtensor else x
 
 
+def stage_ranks(plan: Plan, world: int) -> list[list[int]]:
+    """The ranks of every stage, device j of a stage first: the plan's device ids."""
+    ranks = [list(st.mesh.devices) for st in plan.stages]
+    flat = [r for rs in ranks for r in rs]
+    if len(set(flat)) < len(flat):
+        raise ConfigError(f"pipeline stages share devices {sorted(flat)}; each device runs one "
+                          "stage")
+    if max(flat) >= world:
+        raise ConfigError(f"the plan names device {max(flat)}, the group has {world} processes "
+                          f"(devices 0..{world - 1}); run it on a cluster of the plan's devices")
+    return ranks
+
+
 # ---- execution --------------------------------------------------------------------------------
 class PipelineExecutor:
     """A pipeline plan on this process group: build it on every rank (the same seed, the
@@ -250,19 +264,18 @@ class PipelineExecutor:
         if schedule == "1f1b" and m < k:
             raise ConfigError(f"1F1B needs at least as many micro-batches as stages ({m} < {k})")
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world < k * d:
-            raise ConfigError(f"the plan needs {k} stages x {d} devices = {k * d} processes, "
-                              f"the group has {world}")
-        self.n_micro, self.last_rank = m, (k - 1) * d
+        ranks = stage_ranks(plan, world)
+        self.n_micro, self.last_rank = m, ranks[-1][0]
         # every rank creates every group and mesh, in the same order (new_group's contract)
-        p2p = [dist.new_group([s * d + j for s in range(k)]) for j in range(d)]
-        meshes = [DeviceMesh("cpu", torch.arange(s * d, (s + 1) * d).view(st.mesh.shape))
-                  if d > 1 else None for s, st in enumerate(plan.stages)]
-        s, j = divmod(rank, d)
+        p2p = [dist.new_group(sorted(r[j] for r in ranks)) for j in range(d)]
+        meshes = [DeviceMesh("cpu", torch.tensor(r).view(st.mesh.shape)) if d > 1 else None
+                  for r, st in zip(ranks, plan.stages, strict=True)]
         self.module: StageModule | None = None
         self.spmd: PlanExecutor | None = None
-        if rank >= k * d:
+        where = {r: (s, j) for s, rs in enumerate(ranks) for j, r in enumerate(rs)}
+        if rank not in where:
             return
+        s, j = where[rank]
         self.first, self.last = s == 0, s == k - 1
         self.module = StageModule(model, layout.stages[s], meshes[s], keep_dtensor=self.last)
         if meshes[s] is not None:
@@ -270,6 +283,9 @@ class PipelineExecutor:
             self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
                                      Plan(plan.graph, (plan.stages[s],)), meshes[s], loss_fn)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
+        # stage t's peer in group j is device j of stage t (the group orders ranks, not stages)
+        stage.stage_index_to_group_rank = {t: dist.get_group_rank(p2p[j], r[j])
+                                           for t, r in enumerate(ranks)}
         self.schedule = SCHEDULES[schedule](
             stage, n_microbatches=m, scale_grads=True,
             loss_fn=self.spmd.loss if self.spmd is not None else loss_fn)
