@@ -339,6 +339,8 @@ class SearchResult:
     candidates: tuple[tuple[str, float, bool], ...]
     """(description, predicted time_s, fits in memory) of every candidate tried."""
     search_time_s: float
+    candidate_plans: tuple[Plan, ...] = ()
+    """The plan of each candidate, in the same order (benchmarks measure them all)."""
 
     @property
     def gain(self) -> float:
@@ -372,7 +374,7 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
     base = data_parallel_plan(graph, cluster, options=cost_options)
     return SearchResult(rank[0][1], rank[0][0], base, plan_cost(graph, base, cluster, cost_options),
                         tuple((d, r.time_s, r.feasible) for r, _, d in reports),
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, tuple(p for _, p, _ in reports))
 
 
 def _gib(nbytes: float) -> str:
