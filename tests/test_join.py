@@ -91,3 +91,22 @@ def test_join_refusals_are_one_line(tmp_path, started: Started, capsys, monkeypa
     assert rc == 2 and "no free slot" in one_line(err), err
     rc, err = hetrain_join(capsys, str(asp), "--runs-dir", str(runs), "--worker", "7")
     assert rc == 2 and "--worker 7" in one_line(err), err
+
+
+@pytest.mark.slow
+def test_a_replacement_rejoins_cadp_at_a_round_boundary(tmp_path, started: Started) -> None:
+    """cadp re-plans without the dead device, then with it again when `hetrain join` takes
+    its slot; the joiner's deltas are averaged in from the next round on."""
+    config = write_trio(tmp_path, "cadp", epochs=8)
+    runs = tmp_path / "runs"
+    good = started.start(join_cmd(config, runs, "--wait", "120"), secret=False)
+    r = run_distributed(load_config(config), run_dir=runs / "trio",
+                        faults=fail_at(rank=2, task=2))
+    s = r.summary
+    rc, _, err = finish(good, 30)
+    assert rc == 0 and "joined run 'trio' as worker 1" in err, err
+    assert s["lost_workers"] == [1] and s["joined_workers"] == [1], s
+    joined = s["joins"][0]
+    assert s["applied_samples_by_worker"][1] > joined["applied_before"], s
+    assert s["strategy_stats"]["replans"] >= 2
+    assert s["epochs"] >= 8 - 1e-9 and s["final_accuracy"] > 0.6, s
