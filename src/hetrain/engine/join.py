@@ -299,6 +299,28 @@ def request_slot(target: Target, run: str, worker: int | None, wait_s: float,
         store = dist.PrefixStore(target.prefix, store)
     deadline = time.monotonic() + wait_s
     while True:
+        _wait_for_slot(store, where, run, worker, deadline)
+        answer, ticket = _ask(store, run, worker, timeout, timeout_s)
+        if answer.startswith("slot "):
+            break
+        if time.monotonic() >= deadline:  # taken by another joiner since, or refused
+            raise ConfigError(f"run '{run}' {answer}")
+        time.sleep(0.25)
+    slot = int(answer.split()[1])
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(_key(ticket, "pg/"), store), 1, 2, timeout)
+        link = Link(0, raw=pg)
+        auth.join_respond(link, target.secret, ticket)
+    except (RuntimeError, dist.DistError) as e:
+        raise ConfigError(f"run '{run}' closed the join link: "
+                          f"{str(e).splitlines()[0][:160]}") from None
+    return slot, link, pg
+
+
+def _wait_for_slot(store: dist.Store, where: str, run: str, worker: int | None,
+                   deadline: float) -> None:
+    """Until join/info shows a slot this joiner may take; a refusal once `deadline` passes."""
+    while True:
         info = _info(store)
         if info is None and time.monotonic() < deadline:
             time.sleep(0.25)
@@ -321,12 +343,19 @@ def request_slot(target: Target, run: str, worker: int | None, wait_s: float,
         if worker is not None and not 0 <= worker < n:
             raise ConfigError(f"--worker {worker}: run '{run}' has workers 0..{n - 1}")
         if (free if worker is None else worker in free):
-            break
+            return
         if time.monotonic() >= deadline:
-            what = "no free slot" if worker is None else f"worker {worker} is not a free slot"
-            raise ConfigError(f"run '{run}': {what} (all {n - len(free)} taken workers are "
-                              f"running; a slot frees when a worker is lost)")
+            what = ("no free slot: all its workers are running or being replaced"
+                    if not free else f"worker {worker} is not a free slot (free: {free})")
+            raise ConfigError(f"run '{run}': {what}; a slot frees when a worker is lost "
+                              "(--wait SECONDS waits for one)")
         time.sleep(0.25)
+
+
+def _ask(store: dist.Store, run: str, worker: int | None, timeout: timedelta,
+         timeout_s: float) -> tuple[str, int]:
+    """Take a ticket and ask for the slot: (rank 0's answer, "slot W" or "refused: why";
+    the ticket)."""
     ticket = store.add(REQUESTS, 1)
     store.set(_key(ticket, "want"), str(-1 if worker is None else worker))
     answer_key = _key(ticket, "answer")
@@ -335,15 +364,4 @@ def request_slot(target: Target, run: str, worker: int | None, wait_s: float,
     except (RuntimeError, dist.DistError):
         raise ConfigError(f"run '{run}' did not answer the join request within "
                           f"{timeout_s:g} s (it may have ended)") from None
-    answer = store.get(answer_key).decode()
-    if not answer.startswith("slot "):
-        raise ConfigError(f"run '{run}' {answer}")
-    slot = int(answer.split()[1])
-    try:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(_key(ticket, "pg/"), store), 1, 2, timeout)
-        link = Link(0, raw=pg)
-        auth.join_respond(link, target.secret, ticket)
-    except (RuntimeError, dist.DistError) as e:
-        raise ConfigError(f"run '{run}' closed the join link: "
-                          f"{str(e).splitlines()[0][:160]}") from None
-    return slot, link, pg
+    return store.get(answer_key).decode(), ticket
