@@ -1,4 +1,4 @@
-"""`hetrain` command line: run | launch | profile | plan | report.
+"""`hetrain` command line: run | launch | join | profile | plan | report.
 
 Each subcommand lives in its own module with a `register(subparsers)` function. User errors
 (HetrainError) print one line and exit with code 2; no traceback.
@@ -15,7 +15,7 @@ from hetrain import __version__
 from hetrain.engine.signals import RunInterrupted
 from hetrain.errors import HetrainError, ReportedElsewhereError
 
-COMMANDS = ("run", "launch", "profile", "plan", "report")
+COMMANDS = ("run", "launch", "join", "profile", "plan", "report")
 """Subcommand modules under hetrain.cli, in the order `--help` lists them."""
 
 

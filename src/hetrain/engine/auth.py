@@ -14,6 +14,10 @@ Where the secret comes from, first match wins:
   3. otherwise, on one machine under torchrun, rank 0 writes a fresh one to
      runs/<name>/.secret (mode 0600) before the rendezvous and the other ranks read it after
      it; rank 0 deletes it once every rank has proved it.
+
+A worker that joins the running job (`hetrain join`, hetrain.engine.join) proves the same
+secret over its private link (`join_challenge` / `join_respond`, roles of their own) before
+rank 0 reads anything from it.
 """
 
 from __future__ import annotations
@@ -24,15 +28,22 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hetrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from hetrain.engine.wire import Link
+
 ENV_SECRET = "HETRAIN_SECRET"
 ENV_SECRET_FILE = "HETRAIN_SECRET_FILE"
 SECRET_FILE = ".secret"
+JOIN_SECRET_FILE = ".join-secret"
+"""A spawned run's generated secret, mode 0600, kept while the run lasts so that a worker
+started on this machine by the same user can join it (`hetrain join`); removed at the end."""
 NONCE_BYTES = 32
 
 HOW_TO_SET = (f"export {ENV_SECRET}=$(python -c 'import secrets; print(secrets.token_hex(32))')"
@@ -132,3 +143,33 @@ def handshake(rank: int, world_size: int, secret: str) -> None:
                                _mac(secret, b"root", rank, mine).numpy().tobytes()):
         raise ConfigError(f"rank 0 did not accept this rank's secret or did not prove its own: "
                           f"the ranks were started with different {ENV_SECRET} ({HOW_TO_SET})")
+
+
+def join_challenge(link: Link, secret: str, ticket: int) -> bool:
+    """Rank 0's side of a joiner's proof over its private link: True when it proved the
+    secret (and rank 0 then proved its own); False: refused, answered with zeros. Only the
+    fixed-size challenge tensors cross the link: nothing the joiner sends is decoded."""
+    challenge = _nonce()
+    reply = torch.empty(NONCE_BYTES + 32, dtype=torch.uint8)
+    link.send(challenge)
+    link.recv(reply)
+    ok = hmac.compare_digest(reply[NONCE_BYTES:].numpy().tobytes(),
+                             _mac(secret, b"join-peer", ticket, challenge).numpy().tobytes())
+    link.send(_mac(secret, b"join-root", ticket, reply[:NONCE_BYTES]) if ok
+              else torch.zeros(32, dtype=torch.uint8))
+    return ok
+
+
+def join_respond(link: Link, secret: str, ticket: int) -> None:
+    """The joiner's side: prove the secret, and check that rank 0 holds it too."""
+    challenge = torch.empty(NONCE_BYTES, dtype=torch.uint8)
+    link.recv(challenge)
+    mine = _nonce()
+    link.send(torch.cat([mine, _mac(secret, b"join-peer", ticket, challenge)]))
+    answer = torch.empty(32, dtype=torch.uint8)
+    link.recv(answer)
+    if not hmac.compare_digest(answer.numpy().tobytes(),
+                               _mac(secret, b"join-root", ticket, mine).numpy().tobytes()):
+        raise ConfigError(f"the run refused this process's secret (or did not prove its own): "
+                          f"use the run's secret ({ENV_SECRET}, {ENV_SECRET_FILE}, or the "
+                          f"runs/<name>/{JOIN_SECRET_FILE} a local run writes)")

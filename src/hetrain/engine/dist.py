@@ -63,6 +63,7 @@ from hetrain.engine.dist_server import Coordinator, WorkerLostError
 from hetrain.engine.dist_shard import Shard
 from hetrain.engine.dist_worker import FaultPlan, Worker, fail_at
 from hetrain.engine.emulate import calibrated_cluster
+from hetrain.engine.join import JoinDesk
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
 from hetrain.engine.sim import ProgressFn
@@ -192,17 +193,21 @@ def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.Store:
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
-    """Join the process group and prove the run's secret (hetrain.engine.auth)."""
+def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None
+          ) -> tuple[dist.Store, str, bool]:
+    """Join the process group and prove the run's secret (hetrain.engine.auth). Returns the
+    rendezvous store, the secret and whether this run generated it (for `hetrain join`)."""
     torch.set_num_threads(cfg.train.threads)
     timeout = timedelta(seconds=cfg.dist.init_timeout_s)
     secret = rv.secret or auth.configured_secret()
+    generated = bool(rv.secret)
     secret_file = None
     if not secret and rv.rank == 0:
         if run_dir is None:
             raise ConfigError(f"this run has no secret for its ranks to prove: set "
                               f"{auth.ENV_SECRET} on every node ({auth.HOW_TO_SET})")
         secret, secret_file = auth.write_secret_file(run_dir)
+        generated = True
     check_backend(cfg)
     _gloo_on_loopback(rv.master_addr)
     store = join_rendezvous(rv, timeout)
@@ -224,14 +229,30 @@ def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None) -> None:
                 raise ReportedElsewhereError(why) from None
             raise ConfigError(why) from None
         raise
+    secret = secret or auth.read_secret_file(run_dir)
     try:
-        auth.handshake(rv.rank, rv.world_size, secret or auth.read_secret_file(run_dir))
+        auth.handshake(rv.rank, rv.world_size, secret)
     except ConfigError:
         dist.destroy_process_group()  # the others' next receive fails: nobody waits for us
         raise
     finally:
         if secret_file is not None:
             secret_file.unlink(missing_ok=True)
+    return store, secret, generated
+
+
+def _join_desk(rv: Rendezvous, cfg: RunConfig, prep: Prepared, run_dir: Path | None,
+               store: dist.Store, secret: str, generated: bool) -> JoinDesk:
+    """Rank 0's desk for `hetrain join` (hetrain.engine.join); with a run folder it writes
+    runs/<name>/join.json (and the generated secret, 0600) while the run lasts."""
+    desk = JoinDesk(store, secret, run=cfg.name, strategy=prep.strategy.name,
+                    comm=prep.strategy.comm, ps_shards=cfg.dist.ps_shards,
+                    n_workers=prep.cluster.n, timeout_s=cfg.dist.init_timeout_s)
+    if run_dir is not None and desk.joinable:
+        prefix = (f"hetrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                  if rv.from_env else "")
+        desk.write_files(run_dir, _endpoint(rv), prefix, generated)
+    return desk
 
 
 def _setup_logging() -> None:
@@ -328,11 +349,15 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                 f"{world})")
         ps_device = check_devices(cfg, prep.cluster, prep.strategy.comm, rv.layout)
         devices.use(ps_device)
-        _init(rv, cfg, run_dir)
+        store, secret, generated = _init(rv, cfg, run_dir)
         try:
             _worker_group(rv.world_size, cfg)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
-            return Coordinator(prep, run_dir, progress, emulation, ps_device).run()
+            desk = _join_desk(rv, cfg, prep, run_dir, store, secret, generated)
+            try:
+                return Coordinator(prep, run_dir, progress, emulation, ps_device, desk).run()
+            finally:
+                desk.close()  # join.json and the secret go with the run, however it ends
         finally:
             dist.destroy_process_group()
     worker_signals()  # rank 0 decides when the run ends (hetrain.engine.signals)

@@ -19,7 +19,10 @@ ordered "apply" command, and evaluations / checkpoints fetch the shards' blocks 
 A worker whose push does not come within `dist.worker_timeout_s`, or whose connection breaks,
 is dropped with a log line and `strategy.on_worker_lost(w)` is called; if the strategy then
 waits for nobody (a barrier missing the lost worker), the run checkpoints and stops with
-`WorkerLostError`; if every worker is lost it says so, with the checkpoint. SIGINT/SIGTERM
+`WorkerLostError`; if every worker is lost it says so, with the checkpoint. While a slot is
+free, a replacement process may take it (`hetrain join`, hetrain.engine.join): it gets the
+setup a starting worker gets, `strategy.on_worker_joined(w)` is called, and it is sent tasks
+through its private link; the summary lists the joins. SIGINT/SIGTERM
 checkpoint the last applied update and stop the workers (`RunInterrupted`). Time is
 wall-clock seconds since the start, minus the pauses of rank 0's own evaluations (the
 simulator's evaluations take no virtual time either).
@@ -58,10 +61,11 @@ from hetrain.engine.core import (
 )
 from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
+from hetrain.engine.join import POLL_S, Admitted, JoinDesk
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
 from hetrain.engine.sim import ProgressFn
-from hetrain.engine.wire import Inbox, Outbox, set_message_limit
+from hetrain.engine.wire import Inbox, Link, Outbox, send_obj, set_message_limit
 from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -79,7 +83,8 @@ class Coordinator:
     """Rank 0's loop. Workers are 0..n-1 (ranks 1..n)."""
 
     def __init__(self, prep: Prepared, run_dir: Path | None, progress: ProgressFn | None,
-                 emulation: dict[str, Any], ps_device: torch.device | None = None) -> None:
+                 emulation: dict[str, Any], ps_device: torch.device | None = None,
+                 joins: JoinDesk | None = None) -> None:
         self.p, self.cfg = prep, prep.cfg
         self.strategy = prep.strategy
         codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
@@ -106,7 +111,15 @@ class Coordinator:
                               tensorboard=self.cfg.train.tensorboard)
         self.stop_signal = StopSignal()
         self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks, self.stop_signal)
-        self.outbox = Outbox()
+        self.links: dict[int, Link] = {}
+        """Joined workers' private links, by rank (the others are default-group ranks)."""
+        self.outbox = Outbox(self.links)
+        self.joins = joins
+        self.joining: set[int] = set()
+        """Joined workers sent their setup, whose "ready" has not come yet."""
+        self.joined: list[dict[str, Any]] = []
+        self.times_base: dict[int, tuple[float, float, float]] = {}
+        """A joined worker's slot: the busy/comm/idle seconds of the processes before it."""
         set_message_limit(prep.ctx.model_bytes)
         self.live = set(range(n))
         self.lost: list[int] = []
@@ -213,11 +226,15 @@ class Coordinator:
                      "optimizer": host_tree(self.server.optimizer.state_dict()),
                      "version": self.server.version}
         for w in sorted(self.live):
-            self.outbox.send({"kind": "setup", "worker": w, "cluster": self.p.cluster,
-                      "flops_per_sample": self.p.ctx.flops_per_sample,
-                      "update": self.strategy.update, "comm": self.strategy.comm,
-                      "outer": self.strategy.outer(), "emulation": self.emulation,
-                      "state": state, "shards": shards}, w + 1)
+            self.outbox.send(self._setup_msg(w, state, shards), w + 1)
+
+    def _setup_msg(self, w: int, state: dict[str, Any] | None,
+                   shards: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": "setup", "worker": w, "cluster": self.p.cluster,
+                "flops_per_sample": self.p.ctx.flops_per_sample,
+                "update": self.strategy.update, "comm": self.strategy.comm,
+                "outer": self.strategy.outer(), "emulation": self.emulation,
+                "state": state, "shards": shards}
 
     def _await_ready(self) -> None:
         """Start the clock only when every worker has built its replica (a send to a worker
@@ -279,9 +296,12 @@ class Coordinator:
         self._decide(decision)
 
     def _take_times(self, w: int, msg: dict[str, Any]) -> None:
-        """Workers report their cumulative busy/comm/idle seconds with every message."""
+        """Workers report their cumulative busy/comm/idle seconds with every message (a
+        joined worker's add to those of the slot's earlier processes)."""
         times, mine = msg["times"], self.log.workers[w]
-        mine.busy_s, mine.comm_s, mine.idle_s = times["busy_s"], times["comm_s"], times["idle_s"]
+        busy, comm, idle = self.times_base.get(w, (0.0, 0.0, 0.0))
+        mine.busy_s, mine.comm_s, mine.idle_s = (busy + times["busy_s"], comm + times["comm_s"],
+                                                 idle + times["idle_s"])
         if self.allreduce:
             mine.bytes_sent, mine.bytes_received = times["bytes_sent"], times["bytes_received"]
         self.overruns[w] = msg.get("overruns", 0)
@@ -407,7 +427,11 @@ class Coordinator:
             self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
     def _on_lost(self, w: int, reason: str) -> None:
+        if w in self.joining:
+            self._join_failed(w, reason)
+            return
         self.outbox.forget(w + 1)
+        self.links.pop(w + 1, None)
         self.live.discard(w)
         self.busy.discard(w)
         self.lost.append(w)
@@ -420,9 +444,76 @@ class Coordinator:
             self.error = (f"all {self.p.cluster.n} workers were lost (the last, worker {w} on "
                           f"{name}: {reason})")
             return
+        self._publish_slots()
         decision = self.strategy.on_worker_lost(w)
         if decision is not None and not self.allreduce:
             self._decide(decision)
+
+    # ---- joins (hetrain.engine.join) ------------------------------------------------------
+    def _free_slots(self) -> list[int]:
+        return sorted(set(range(self.p.cluster.n)) - self.live - self.joining)
+
+    def _publish_slots(self) -> None:
+        if self.joins is not None:
+            self.joins.publish(self._free_slots())
+
+    def _poll_joins(self) -> None:
+        """Admit the joiners that proved the secret since the last look (cheap: the desk
+        asks the store for new requests only while a slot is free, every POLL_S)."""
+        if self.joins is None:
+            return
+        admitted, _ = self.joins.poll(self._free_slots())
+        for a in admitted:
+            self._admit(a)
+
+    def _admit(self, a: Admitted) -> None:
+        """Send a joiner the setup a starting worker gets; it runs tasks once "ready"."""
+        w, rank = a.worker, a.worker + 1
+        self.links[rank] = a.link
+        self.outbox.forget(rank)
+        self.inbox.add(rank, a.link)
+        self.joining.add(w)
+        self.outbox.send(self._setup_msg(w, None, {"ranks": [], "sizes": [
+            sum(p.numel() for p in self.block_params[0])]}), rank)
+        self.inbox.expect(rank, self.cfg.dist.init_timeout_s)
+        log.warning("hetrain: join request %d authenticated: worker %d (device %s) is "
+                    "setting up", a.ticket, w, self.p.cluster.devices[w].name)
+
+    def _on_ready(self, w: int, msg: dict[str, Any]) -> None:
+        """A joiner built its replica: it is a live worker of its slot from now on."""
+        self.joining.discard(w)
+        if msg["kind"] != "ready":
+            self._join_failed(w, f"it sent a '{msg['kind']}' message before 'ready'")
+            return
+        if "error" in msg:  # it cannot run as configured: stop it, the slot stays free
+            self.outbox.wait(w + 1)
+            send_obj({"kind": "stop"}, self.links[w + 1])
+            self._join_failed(w, msg["error"])
+            return
+        mine = self.log.workers[w]
+        self.times_base[w] = (mine.busy_s, mine.comm_s, mine.idle_s)
+        self.worker_devices[w] = msg.get("device", "cpu")
+        self.live.add(w)
+        self.joined.append({"worker": w, "time_s": self.clock(),
+                            "version": self.server.version,
+                            "applied_samples": self.applied_samples,
+                            "pushes_before": mine.pushes,
+                            "applied_before": self.applied_by[w]})
+        self._publish_slots()
+        log.warning("hetrain: worker %d (rank %d, device %s) joined at update %d; %d worker(s) "
+                    "live", w, w + 1, self.p.cluster.devices[w].name, self.server.version,
+                    len(self.live))
+        decision = self.strategy.on_worker_joined(w)
+        if decision is not None:
+            self._decide(decision)
+
+    def _join_failed(self, w: int, reason: str) -> None:
+        self.joining.discard(w)
+        self.links.pop(w + 1, None)
+        self.outbox.forget(w + 1)
+        self.inbox.drop(w + 1)
+        log.warning("hetrain: joiner of worker %d failed before it was ready: %s", w, reason)
+        self._publish_slots()
 
     # ---- main loop ------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -434,6 +525,8 @@ class Coordinator:
             return self._run()
         finally:
             self.log.close()
+            if self.joins is not None:
+                self.joins.close()
 
     def _run(self) -> RunResult:
         with self.stop_signal.installed():
@@ -458,6 +551,7 @@ class Coordinator:
         self._snapshot()
         self._send_setup()
         self._await_ready()
+        self._publish_slots()  # `hetrain join` may take a slot from now on
         self.t0 = time.perf_counter()
         if not self.log.rows:
             self._evaluate()
@@ -473,15 +567,24 @@ class Coordinator:
                 self.error = (f"strategy '{self.strategy.name}' waits for pushes that cannot "
                               f"come (lost workers {self.lost})")
                 break
-            kind, src, obj, nbytes = self.inbox.next()
+            self._poll_joins()
+            ev = self.inbox.next_within(POLL_S if self.joins is not None
+                                        and self._free_slots() else None)
+            if ev is None:
+                continue
+            kind, src, obj, nbytes = ev
             self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
+            elif src - 1 in self.joining:
+                self._on_ready(src - 1, obj)
             else:
                 self._on_push(src - 1, obj, nbytes)
 
     def _finish(self) -> RunResult:
         end_s = self.clock()
+        if self.joins is not None:
+            self.joins.close()
         if self.log.rows and self.log.rows[-1]["samples"] != self.applied_samples \
                 and self.error is None:
             self._evaluate()
@@ -536,6 +639,8 @@ class Coordinator:
     def _stop_workers(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.cfg.dist.worker_timeout_s
         self._flush_applies()
+        self.live |= self.joining  # a joiner still setting up is stopped like the others
+        self.joining.clear()
         for w in sorted(self.live):
             self.outbox.send({"kind": "stop"}, w + 1)
             self.inbox.expect(w + 1, timeout_s)
@@ -572,6 +677,8 @@ class Coordinator:
                  "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
                  "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
                  "emulation": self.emulation, "lost_workers": self.lost,
+                 "joined_workers": [j["worker"] for j in self.joined], "joins": self.joined,
+                 "applied_samples_by_worker": list(self.applied_by),
                  "ps_shards": len(self.block_params),
                  "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s,
                  "ps_device": str(self.device), "worker_devices": self.worker_devices}

@@ -33,7 +33,7 @@ from hetrain.config import RunConfig
 from hetrain.engine import devices
 from hetrain.engine.core import Replica, Server, TaskResult, float_buffers, follow_plateau
 from hetrain.engine.emulate import Throttle, sleep_until
-from hetrain.engine.wire import recv_obj, recv_obj_timed, send_obj, set_message_limit
+from hetrain.engine.wire import Link, recv_obj, recv_obj_timed, send_obj, set_message_limit
 from hetrain.errors import ConfigError
 from hetrain.workloads import Workload
 
@@ -70,9 +70,11 @@ def fail_at(rank: int, task: int, kind: str = "exit") -> FaultPlan:
 class Worker:
     def __init__(self, rank: int, cfg: RunConfig, workload: Workload, compressor: Compressor,
                  group: dist.ProcessGroup | None, fault: Fault | None = None,
-                 layout: tuple[int, int] | None = None) -> None:
+                 layout: tuple[int, int] | None = None, link: Link | None = None) -> None:
         self.rank, self.cfg, self.wl = rank, cfg, workload
         self.group = group
+        self.server_link: Link | int = link or 0
+        """How rank 0 is reached: rank 0 of the default group, or a joiner's private link."""
         self.layout = layout
         """(local rank, local world size) of this process on its node; None: one node."""
         self.fault = fault
@@ -85,7 +87,7 @@ class Worker:
     def _recv(self) -> dict[str, Any]:
         """Waiting for rank 0 is idle time; the arrival of the message (a pull on a slow
         link) is communication."""
-        msg, nbytes, wait_s, transfer_s = recv_obj_timed(0)
+        msg, nbytes, wait_s, transfer_s = recv_obj_timed(self.server_link)
         self.times["idle_s"] += wait_s
         self.times["comm_s"] += transfer_s
         self._nbytes = nbytes
@@ -97,15 +99,18 @@ class Worker:
         msg["times"] = dict(self.times)
         msg["overruns"] = self.throttle.overruns
         t = time.perf_counter()
-        nbytes = send_obj(msg, 0)
+        nbytes = send_obj(msg, self.server_link)
         self.times["comm_s"] += time.perf_counter() - t
         return nbytes
 
     def run(self) -> None:
+        self.throttle = Throttle(None, None, 1.0)  # replaced below; _send reads its overruns
         setup = self._recv()
+        if setup["kind"] == "stop":  # a joiner admitted as the run ended
+            self._send({"kind": "bye"})
+            return
         self.w = setup["worker"]
         cluster, em = setup["cluster"], setup["emulation"]
-        self.throttle = Throttle(None, None, 1.0)  # replaced below; _send reads its overruns
         self.comm = setup["comm"]
         try:
             self.device = self._device(cluster)

@@ -11,6 +11,10 @@ tensor bytes it carries for anything but tiny ones.
 `Inbox` serves whichever worker pushes first (asynchronous receive from any worker); a source
 whose message has not come within its deadline, whose connection broke, or that sent a
 malformed message is reported as lost instead of blocking (or misleading) the server.
+
+A peer is reached through a `Link`: its rank in the default group (the ranks that started the
+run), or rank 0/1 of a private 2-rank gloo group (a worker that joined the running job, see
+`hetrain.engine.join`: a fixed gloo world cannot grow). Everything above the link is the same.
 """
 
 from __future__ import annotations
@@ -55,27 +59,67 @@ def decode(data: torch.Tensor) -> Any:
     return messages.check(codec.unpack(data))
 
 
-def send_obj(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> int:
+class Link:
+    """One peer: `peer` in `group` (None: the default group), or in a raw, unregistered
+    ProcessGroup (`raw`: a joiner's private pair, whose send/recv are the c10d methods)."""
+
+    def __init__(self, peer: int, group: dist.ProcessGroup | None = None,
+                 raw: dist.ProcessGroup | None = None) -> None:
+        self.peer, self.group, self.raw = peer, group, raw
+
+    def isend(self, t: torch.Tensor) -> Any:
+        if self.raw is not None:
+            return self.raw.send([t], self.peer, 0)
+        return dist.isend(t, self.peer, group=self.group)
+
+    def send(self, t: torch.Tensor) -> None:
+        if self.raw is not None:
+            self.raw.send([t], self.peer, 0).wait()
+        else:
+            dist.send(t, self.peer, group=self.group)
+
+    def recv(self, t: torch.Tensor) -> None:
+        if self.raw is not None:
+            self.raw.recv([t], self.peer, 0).wait()
+        else:
+            dist.recv(t, self.peer, group=self.group)
+
+    def __repr__(self) -> str:
+        return f"Link({self.peer}{', private' if self.raw is not None else ''})"
+
+
+Peer = int | Link
+
+
+def as_link(peer: Peer, group: dist.ProcessGroup | None = None) -> Link:
+    return peer if isinstance(peer, Link) else Link(peer, group)
+
+
+def send_obj(obj: Any, dst: Peer, group: dist.ProcessGroup | None = None) -> int:
     """Blocking send of a message; returns the bytes that crossed the wire."""
+    link = as_link(dst, group)
     data = encode(obj)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(data, dst, group=group)
+    link.send(torch.tensor([data.numel()], dtype=torch.int64))
+    link.send(data)
     return data.numel() + 8
 
 
 class Outbox:
     """Non-blocking sends: a send to a worker that is not receiving yet must not stall the
     server's loop (it has other workers to serve). The previous send to the same destination
-    is completed first, so messages to one worker stay in order."""
+    is completed first, so messages to one worker stay in order. `links` maps a destination
+    to its private link (a joined worker); the others are default-group ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, links: dict[int, Link] | None = None) -> None:
         self._pending: dict[int, list[Any]] = {}
+        self.links = links if links is not None else {}
 
     def send(self, obj: Any, dst: int) -> int:
         self.wait(dst)
+        link = self.links.get(dst) or Link(dst)
         data = encode(obj)
         length = torch.tensor([data.numel()], dtype=torch.int64)
-        self._pending[dst] = [dist.isend(length, dst), dist.isend(data, dst), length, data]
+        self._pending[dst] = [link.isend(length), link.isend(data), length, data]
         return data.numel() + 8
 
     def wait(self, dst: int) -> None:
@@ -98,51 +142,58 @@ class MalformedMessage(ValueError):
     """A peer sent something that is not a valid message (its length, encoding or schema)."""
 
 
-def recv_body(length: int, src: int, group: dist.ProcessGroup | None = None) -> Any:
+def recv_body(length: int, src: Peer, group: dist.ProcessGroup | None = None) -> Any:
+    link = as_link(src, group)
     if not 0 < length <= _limit:
-        raise MalformedMessage(f"rank {src} announced a message of {length} bytes (the limit "
-                               f"is {_limit})")
+        raise MalformedMessage(f"rank {link.peer} announced a message of {length} bytes (the "
+                               f"limit is {_limit})")
     data = torch.empty(length, dtype=torch.uint8)
-    dist.recv(data, src, group=group)
+    link.recv(data)
     try:
         return decode(data)
     except (codec.CodecError, messages.MessageError) as e:
-        raise MalformedMessage(f"rank {src} sent a malformed message: {e}") from None
+        raise MalformedMessage(f"rank {link.peer} sent a malformed message: {e}") from None
 
 
-def recv_obj(src: int, group: dist.ProcessGroup | None = None) -> tuple[Any, int]:
+def recv_obj(src: Peer, group: dist.ProcessGroup | None = None) -> tuple[Any, int]:
     """Blocking receive of one message from `src`: (object, bytes)."""
     obj, nbytes, _, _ = recv_obj_timed(src, group)
     return obj, nbytes
 
 
-def recv_obj_timed(src: int, group: dist.ProcessGroup | None = None
+def recv_obj_timed(src: Peer, group: dist.ProcessGroup | None = None
                    ) -> tuple[Any, int, float, float]:
     """`recv_obj`, also timing the wait for the message to start (its 8-byte length) apart
     from the transfer of its body: on a slow link the second is communication, not idling."""
+    link = as_link(src, group)
     t0 = time.perf_counter()
     length = torch.empty(1, dtype=torch.int64)
-    dist.recv(length, src, group=group)
+    link.recv(length)
     t1 = time.perf_counter()
     n = int(length.item())
-    obj = recv_body(n, src, group)
+    obj = recv_body(n, link)
     return obj, n + 8, t1 - t0, time.perf_counter() - t1
 
 
-def pump(src: int, q: queue.Queue[tuple[str, int, Any, int]]) -> None:
+def pump(src: int, q: Any, link: Link | None = None, tag: Any = None) -> None:
     """Receive src's messages into q as ("msg", src, obj, nbytes), until its last ("bye" or
-    "stop") or a broken connection (then ("lost", src, reason, 0)). Run in a thread per
-    source; a thread still blocked in recv when its process exits aborts the process."""
+    "stop") or a broken connection (then ("lost", src, reason, 0)); with a `tag`, each event
+    carries it as a fifth item. `link`: how src is reached (default: its rank). Run in a
+    thread per source; a thread still blocked in recv when its process exits aborts the
+    process."""
+    link = link or Link(src)
+    extra = () if tag is None else (tag,)
     while True:
         try:
-            obj, n = recv_obj(src)
+            obj, n = recv_obj(link)
         except MalformedMessage as e:  # stop listening to it: it is broken or hostile
-            q.put(("lost", src, str(e), 0))
+            q.put(("lost", src, str(e), 0, *extra))
             return
         except Exception as e:  # the peer died, hung past the store timeout, or shut down
-            q.put(("lost", src, f"connection lost ({str(e).splitlines()[0][:160]})", 0))
+            q.put(("lost", src, f"connection lost ({str(e).splitlines()[0][:160]})", 0,
+                   *extra))
             return
-        q.put(("msg", src, obj, n))
+        q.put(("msg", src, obj, n, *extra))
         if isinstance(obj, dict) and obj.get("kind") in ("bye", "stop"):
             return
 
@@ -161,16 +212,27 @@ class Inbox:
 
     def __init__(self, sources: list[int], stop: StopSignal | None = None) -> None:
         self._stop = stop
-        self._q: queue.Queue[tuple[str, int, Any, int]] = queue.Queue()
+        self._q: queue.Queue[tuple[str, int, Any, int, object]] = queue.Queue()
         self._deadline: dict[int, float] = {}
         self._gone: set[int] = set()
         self._stash: deque[tuple[str, int, Any, int]] = deque()
+        self._tag: dict[int, object] = {}
+        """Per source, the tag of its current receiver: events of a receiver it replaced
+        (the hung process a joiner took over from) are dropped, never read as the new one's."""
         for src in sources:
-            threading.Thread(target=self._pump, args=(src,), daemon=True,
-                             name=f"hetrain-recv-{src}").start()
+            self.add(src)
 
-    def _pump(self, src: int) -> None:
-        pump(src, self._q)
+    def add(self, src: int, link: Link | None = None) -> None:
+        """Receive from src (again: a joined worker in a lost one's slot) through `link`."""
+        tag = self._tag[src] = object()
+        self._gone.discard(src)
+        threading.Thread(target=pump, args=(src, self._q, link, tag), daemon=True,
+                         name=f"hetrain-recv-{src}").start()
+
+    def drop(self, src: int) -> None:
+        """Stop listening to src (a joiner that failed): what it still sends is ignored."""
+        self._gone.add(src)
+        self._deadline.pop(src, None)
 
     def expect(self, src: int, timeout_s: float) -> None:
         """src owes us a message within timeout_s."""
@@ -191,35 +253,50 @@ class Inbox:
         """Sources that owe a message, or whose message `request` held back."""
         return sorted(set(self._deadline) | {ev[1] for ev in self._stash})
 
-    def _get(self) -> tuple[str, int, Any, int]:
+    def _get(self, wait_s: float | None = None) -> tuple[str, int, Any, int] | None:
+        started = time.monotonic()
         while True:
             if self._stash:  # vetted when first received (its source may be gone since)
                 return self._stash.popleft()
             now = time.monotonic()
             src, due = min(self._deadline.items(), key=lambda kv: kv[1])
+            wait = max(0.0, due - now)
+            tick = wait_s is not None and started + wait_s < due
+            if tick:
+                assert wait_s is not None
+                wait = max(0.0, started + wait_s - now)
             try:
                 if self._stop is None:
-                    ev = self._q.get(timeout=max(0.0, due - now))
+                    kind, s, obj, n, tag = self._q.get(timeout=wait)
                 else:
                     with self._stop.safe_point():
-                        ev = self._q.get(timeout=max(0.0, due - now))
+                        kind, s, obj, n, tag = self._q.get(timeout=wait)
             except queue.Empty:
+                if tick:
+                    return None
                 del self._deadline[src]
                 self._gone.add(src)
                 return "lost", src, "no message within the worker timeout (hung or dead)", 0
-            if ev[1] in self._gone:
-                continue  # a late message or error of a source already given up
-            if ev[0] == "lost":
-                self._gone.add(ev[1])
-            self._deadline.pop(ev[1], None)
-            return ev
+            if s in self._gone or tag is not self._tag.get(s):
+                continue  # a late message or error of a source already given up (or replaced)
+            if kind == "lost":
+                self._gone.add(s)
+            self._deadline.pop(s, None)
+            return kind, s, obj, n
 
     def next(self) -> tuple[str, int, Any, int]:
         """Block until an expected source delivers or fails: ("msg", src, obj, nbytes) or
         ("lost", src, reason, 0)."""
+        ev = self.next_within(None)
+        assert ev is not None
+        return ev
+
+    def next_within(self, wait_s: float | None) -> tuple[str, int, Any, int] | None:
+        """`next`, or None when nothing came within `wait_s` seconds (the caller has
+        something else to look at now and then: join requests)."""
         if not self._deadline and not self._stash:
             raise RuntimeError("Inbox.next() with nothing expected")
-        return self._get()
+        return self._get(wait_s)
 
     def request(self, src: int, timeout_s: float) -> tuple[str, int, Any, int]:
         """Wait for src's next message only; others arriving meanwhile are kept for next()."""
@@ -227,6 +304,7 @@ class Inbox:
         held = []
         while True:
             ev = self._get()
+            assert ev is not None
             if ev[1] == src:
                 break
             held.append(ev)

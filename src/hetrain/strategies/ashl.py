@@ -213,6 +213,10 @@ class ASHL(Strategy):
     def on_worker_lost(self, worker: int) -> Decision | None:
         return Decision(release=self.gate.drop(worker))
 
+    def on_worker_joined(self, worker: int) -> Decision | None:
+        self.gate.join(worker)
+        return Decision(release=(worker,))
+
     def stats(self) -> dict[str, float | int | str]:
         out: dict[str, float | int | str] = {
             "stage": self.stage, "ahl_pushes": self.stage_pushes[0],

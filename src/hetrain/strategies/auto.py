@@ -272,6 +272,13 @@ class Auto(CADP):
         self.goodput_plan = plan
         self.mean_batch = max(1, plan.global_batch // len(plan.active))
 
+    def on_worker_joined(self, worker: int) -> Decision | None:
+        """cadp's, with a planner check at once (the device may be worth adding again: its
+        measured speed is kept); it starts with a fresh optimizer when the plan includes it."""
+        self._next_check = self._samples_seen
+        self._trained.discard(worker)
+        return super().on_worker_joined(worker)
+
     # ---- protocol -------------------------------------------------------------------------
     def next_task(self, worker: int) -> WorkTask:
         task = super().next_task(worker)

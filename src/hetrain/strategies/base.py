@@ -157,6 +157,12 @@ class Strategy(ABC):
         stops the run with a checkpoint)."""
         return None
 
+    def on_worker_joined(self, worker: int) -> Decision | None:
+        """A real engine gave a lost worker's slot to a replacement process (`hetrain join`):
+        plan with the device again. Default: release it at once (asynchronous strategies); a
+        strategy with rounds lets it in at a round boundary instead."""
+        return Decision(release=(worker,))
+
     def ps_placement(self) -> str | None:
         """The site where the parameter server should run, if the strategy chose one (`auto`
         does); engines that can move it do (the simulator), the others say so. None: keep."""

@@ -162,6 +162,7 @@ class CADP(Strategy):
                               model_bytes=ctx.model_bytes, memory_fixed_bytes=4 * ctx.model_bytes,
                               memory_per_sample_bytes=per_sample_mem)
         self._caps = round_costs(cl, caps_work)[2]
+        self._planned_caps = self._caps.copy()   # a rejoining device gets its cap back
         self.rounds = self.replans = 0
         self._held = np.zeros(n, dtype=np.int64)       # samples a device has cached
         self._shipped = np.zeros(n, dtype=np.int64)    # samples shipped with its current task
@@ -241,6 +242,19 @@ class CADP(Strategy):
             self._replan()
             self.replans += 1
         return self._close_round() if self._pending else None
+
+    def on_worker_joined(self, worker: int) -> Decision | None:
+        """A replacement process took the device's slot: plan with it again (its cap back,
+        nothing cached: it is a fresh process). It enters at the next round boundary (the
+        round under way does not wait for it)."""
+        self._lost.discard(worker)
+        self._inflight.discard(worker)
+        caps = getattr(self, "_planned_caps", self._caps)  # strategies checkpointed before it
+        self._caps = np.where(np.arange(len(self._caps)) == worker, caps, self._caps)
+        self._held[worker] = 0
+        self._replan()
+        self.replans += 1
+        return None
 
     def _close_round(self) -> Decision:
         """Apply the round once every member has pushed; re-plan; release the next members."""

@@ -58,6 +58,13 @@ class ClockGate:
         self.bound = bound
         return self._ready()
 
+    def join(self, worker: int) -> None:
+        """A replacement takes a lost worker's slot at the slowest live clock: the minimum
+        does not move, so nobody is held for it, and it is not held itself."""
+        self.clocks[worker] = self.min_clock() if self.alive else 0
+        self.alive.add(worker)
+        self.held.discard(worker)
+
     def drop(self, worker: int) -> tuple[int, ...]:
         """A lost worker no longer paces the others."""
         self.alive.discard(worker)
@@ -92,6 +99,10 @@ class SSP(ASP):
 
     def on_worker_lost(self, worker: int) -> Decision | None:
         return Decision(release=self.gate.drop(worker))
+
+    def on_worker_joined(self, worker: int) -> Decision | None:
+        self.gate.join(worker)
+        return Decision(release=(worker,))
 
     def stats(self) -> dict[str, float | int | str]:
         return {**super().stats(), "max_clock_gap": self.gate.max_gap,
