@@ -167,10 +167,10 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
     if args.resume:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
     if args.nproc and cfg.parallel is not None:
-        n = load_cluster(cfg.cluster).n
-        if args.nproc != n:
+        cluster = load_cluster(cfg.cluster)
+        if args.nproc != cluster.n:
             raise ConfigError(f"--nproc {args.nproc}: [parallel] runs one process per device "
-                              f"of the cluster '{cfg.cluster}', i.e. --nproc {n}")
+                              f"of the cluster '{cluster.name}', i.e. --nproc {cluster.n}")
     elif args.nproc:
         n, shards = load_cluster(cfg.cluster).n, cfg.dist.ps_shards
         if args.nproc != n + shards:
