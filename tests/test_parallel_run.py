@@ -229,3 +229,16 @@ def test_four_ranks_under_torchrun(tmp_path: Path) -> None:
     assert [len(st.mesh.devices) for st in plan.stages] == [2, 2]
     got = rows(tmp_path / "runs" / "four")
     assert got[-1]["updates"] == 29 and got[-1]["test_loss"] < got[0]["test_loss"]
+
+
+def test_pack_round_trips_without_pickle() -> None:
+    from hetrain.parallel.train import pack, unpack
+
+    tree = {"w": torch.randn(3, 4), "s": {"step": torch.tensor(5.0), "m": torch.zeros(0)},
+            "i": torch.arange(4), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "busy": 1.5}
+    back = unpack(pack(tree))
+    torch.testing.assert_close(back["w"], tree["w"])
+    assert back["s"]["step"].item() == 5.0 and back["s"]["m"].shape == (0,)
+    assert back["i"].tolist() == [0, 1, 2, 3] and back["groups"] == [{"lr": 0.1,
+                                                                      "betas": [0.9, 0.99]}]
+    assert back["busy"] == 1.5

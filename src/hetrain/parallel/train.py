@@ -17,7 +17,9 @@ To evaluate or checkpoint, every rank gathers its parameters (DTensor shards mad
 rank 0, which evaluates a plain copy of the model on the test split (it must hold one copy
 of the parameters, not their gradients or optimizer state) and writes the checkpoint: a
 full, unsharded state dict of model and optimizer, tensors and plain data only, read back
-with torch.load(weights_only=True). Processes meet through hetrain.engine.dist's rendezvous
+with torch.load(weights_only=True). What ranks send each other (the plan, parameters, a
+resumed state) is a JSON header plus raw tensor bytes (`pack`): nothing received is unpickled.
+Processes meet through hetrain.engine.dist's rendezvous
 and prove the run's secret (hetrain.engine.auth), as the strategies' processes do.
 """
 
@@ -329,6 +331,84 @@ def _restore(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Opti
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
+# ---- exchange between ranks: a JSON header + raw tensor bytes, nothing unpickled -------------
+_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+def pack(tree: Any) -> Tensor:
+    """A tree of dicts, lists, plain values and CPU tensors as one uint8 tensor."""
+    tensors: list[Tensor] = []
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if str(v.dtype) not in _DTYPES:
+                raise TypeError(f"cannot send a {v.dtype} tensor")
+            tensors.append(v.detach().cpu().contiguous())
+            return {"__tensor__": len(tensors) - 1, "dtype": str(v.dtype), "shape": list(v.shape)}
+        if isinstance(v, dict):
+            return {"__dict__": [[k, enc(x)] for k, x in v.items()]}
+        if isinstance(v, list | tuple):
+            return [enc(x) for x in v]
+        return v
+
+    header = json.dumps(enc(tree)).encode()
+    parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
+             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    return torch.cat(parts)
+
+
+def unpack(buf: Tensor) -> Any:
+    """`pack`'s tree back: only JSON and raw bytes of the dtypes in _DTYPES are read."""
+    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    header = json.loads(bytes(buf[8:8 + n].numpy()).decode())
+    offset = 8 + n
+
+    def dec(v: Any) -> Any:
+        nonlocal offset
+        if isinstance(v, dict) and "__tensor__" in v:
+            dtype, shape = _DTYPES[v["dtype"]], [int(x) for x in v["shape"]]
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            raw = buf[offset:offset + size].clone()
+            offset += size
+            return raw.view(dtype).reshape(shape)
+        if isinstance(v, dict) and "__dict__" in v:
+            return {k: dec(x) for k, x in v["__dict__"]}
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        return v
+
+    return dec(header)
+
+
+def gather_to_rank0(tree: Any) -> list[Any] | None:
+    """Every rank's `tree` on rank 0 (None elsewhere); collective over all ranks."""
+    buf = pack(tree)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([buf.numel()]))
+    most = int(max(s.item() for s in sizes))
+    padded = torch.cat([buf, torch.zeros(most - buf.numel(), dtype=torch.uint8)])
+    parts = [torch.empty(most, dtype=torch.uint8) for _ in range(world)] \
+        if dist.get_rank() == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if parts is None:
+        return None
+    return [unpack(p[:int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
+
+
+def broadcast_from_rank0(tree: Any) -> Any:
+    """Rank 0's `tree` on every rank (others pass None); collective over all ranks."""
+    buf = pack(tree) if dist.get_rank() == 0 else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([buf.numel()])
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return unpack(buf) if dist.get_rank() != 0 else tree
+
+
 def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None,
             busy_s: float, with_optimizer: bool) -> tuple[dict[str, Tensor],
                                                           dict[str, dict[str, Any]],
@@ -336,9 +416,8 @@ def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optim
     """Rank 0: the whole model's parameters (and optimizer state), and every rank's busy
     seconds; None on the other ranks. Collective over all ranks."""
     weights, states = _local_state(model, params, opt if with_optimizer else None)
-    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object((weights, states, busy_s), parts if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
+    parts = gather_to_rank0([weights, states, busy_s])
+    if parts is None:
         return None
     all_w: dict[str, Tensor] = {}
     all_s: dict[str, dict[str, Any]] = {}
@@ -446,12 +525,9 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
         log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
                          cfg.stop.target_accuracy, cfg.stop.target_loss,
                          tensorboard=cfg.train.tensorboard)
-    resume: list[Any] = [None]
     if cfg.train.resume:
-        if rank == 0:
-            resume[0] = load_checkpoint(run_dir, cfg, setup.plan)
-        dist.broadcast_object_list(resume, src=0)
-        ck = resume[0]
+        ck = broadcast_from_rank0(load_checkpoint(run_dir, cfg, setup.plan) if rank == 0
+                                  else None)
         _restore(model, params, opt, ck["model"], ck["states"], ck["groups"])
         meta = ck["meta"]
         step, offset_s, busy = meta["step"], meta["elapsed_s"], meta["busy_s"][rank]
@@ -459,7 +535,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
         if log is not None:
             log.restore(meta["rows"], step)
             log.tta_s, log.tta_samples = meta["tta"]
-        resume[0] = ck = None
+        ck = None
 
     t0 = time.perf_counter() - offset_s
     loss_sum, loss_n = 0.0, 0
@@ -657,9 +733,8 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
     setup = make_setup(cfg, cluster, workload) if rv.rank == 0 else None
     engine._init(rv, cfg, run_dir)
     try:
-        box = [dataclasses.asdict(setup) if setup is not None else None]
-        dist.broadcast_object_list(box, src=0)
-        setup = Setup(**box[0])
+        setup = Setup(**broadcast_from_rank0(dataclasses.asdict(setup) if setup is not None
+                                             else None))
         result = train_rank(cfg, setup, workload, cluster, run_dir,
                             progress if rv.rank == 0 else None)
     finally:
