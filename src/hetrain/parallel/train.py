@@ -79,7 +79,7 @@ def check_supported(cfg: RunConfig) -> None:
                (t.compression != "none", "train.compression", "use \"none\""),
                (d.ps_shards != 1, "dist.ps_shards", "use 1 (there is no parameter server)"),
                (d.backend != "gloo", "dist.backend", "use \"gloo\""),
-               (d.device not in ("cpu", "auto"), "dist.device", "use \"cpu\"")]
+               (d.device != "cpu", "dist.device", "use \"cpu\"")]
     for bad, key, fix in refused:
         if bad:
             raise ConfigError(f"[parallel] does not support {key} (plans run on CPU processes "
@@ -702,6 +702,10 @@ def run_parallel(cfg: RunConfig, *, run_dir: Path | None = None, progress: Any =
     check_supported(cfg)
     env = os.environ
     cluster = cluster or load_cluster(cfg.cluster)
+    gpu = [dv.name for dv in cluster.devices if dv.torch_device not in (None, "cpu")]
+    if gpu:
+        raise ConfigError(f"[parallel] runs on CPU processes over gloo; device '{gpu[0]}' has "
+                          "torch_device set: remove it from the cluster, or remove [parallel]")
     if "RANK" in env and "WORLD_SIZE" in env:
         rv = engine.Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
                                env.get("MASTER_ADDR", "127.0.0.1"),
