@@ -242,3 +242,20 @@ def test_pack_round_trips_without_pickle() -> None:
     assert back["i"].tolist() == [0, 1, 2, 3] and back["groups"] == [{"lr": 0.1,
                                                                       "betas": [0.9, 0.99]}]
     assert back["busy"] == 1.5
+
+
+@pytest.mark.slow
+def test_one_stage_plan_on_a_subset_leaves_the_other_ranks_idle(tmp_path: Path) -> None:
+    """Three devices where only the largest holds the model: the plan is a one-device mesh,
+    run by rank 0 while ranks 1 and 2 idle; it trains like the pipeline plan of two devices."""
+    three = ('{ name = "a", flops = 1e9, memory_bytes = 450000 }, '
+             '{ name = "b", flops = 2e9, memory_bytes = 1000000 }, '
+             '{ name = "c", flops = 3e9, memory_bytes = 2000000 }')
+    cfg = write_config(tmp_path, "three", epochs=0.2, devices=three)
+    r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plot")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "runs" / "three" / "summary.json").read_text())
+    plan = Plan.from_dict(summary["parallel"]["plan"])
+    assert len(plan.stages) == 1 and plan.stages[0].mesh.devices == (2,)
+    got = rows(tmp_path / "runs" / "three")
+    assert got[-1]["updates"] == 29 and got[-1]["test_loss"] < got[0]["test_loss"]
