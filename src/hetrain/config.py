@@ -247,6 +247,39 @@ class DistConfig:
         validate.check_fields("dist", self)
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """[parallel]: train one model split over the cluster's devices by an AutoDDL plan (data,
+    tensor and pipeline parallel; hetrain.parallel.train) instead of a [strategy]; needs
+    engine = "dist" and one process per cluster device. Absent: the strategies run as usual."""
+
+    plan: str = "auto"
+    """"auto": search the plan at start-up for the cluster's devices (speeds, links and
+    memory_bytes caps) and the workload's model at global batch train.batch_size; or a path
+    (relative to the config file) to a plan written by `hetrain plan --out` (.json or .toml)."""
+    schedule: str = "gpipe"
+    """Pipeline schedule of a plan with several stages: gpipe | 1f1b (1f1b needs n_micro >=
+    the number of stages)."""
+    n_micro: int = 0
+    """Micro-batches per step of a pipeline plan; 0: the plan's own. Must divide
+    train.batch_size."""
+    pipeline: bool = True
+    """plan = "auto": also consider pipeline plans."""
+    subsets: bool = True
+    """plan = "auto": also consider meshes over some of the devices (the others then idle)."""
+    restarts: int = 4
+    """plan = "auto": coordinate-descent starts per candidate mesh."""
+    eval_batch_size: int = 256
+    """Samples per forward pass when rank 0 evaluates the test split."""
+
+    def __post_init__(self) -> None:
+        if not self.plan:
+            raise ConfigError("parallel.plan must be \"auto\" or a path to a plan file "
+                              "(`hetrain plan --out FILE`)")
+        _check_choice("parallel.schedule", self.schedule, ("gpipe", "1f1b"))
+        validate.check_fields("parallel", self)
+
+
 ENGINES = ("sim", "dist")
 
 
@@ -264,6 +297,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    parallel: ParallelConfig | None = None
+    """[parallel]: run an AutoDDL plan instead of the strategy (None: no such table)."""
 
     def __post_init__(self) -> None:
         validate.check_run_name(self.name)
@@ -277,6 +312,8 @@ class RunConfig:
         d["strategy"] = {"name": self.strategy.name, **self.strategy.options}
         d["optimizer"]["scheduler_options"] = _callables_named(
             d["optimizer"]["scheduler_options"])
+        if d["parallel"] is None:  # no [parallel] table: the record is as before it existed
+            del d["parallel"]
         return d
 
 
@@ -295,7 +332,8 @@ def _callables_named(value: Any) -> Any:
 
 
 _SECTIONS: dict[str, type] = {"workload": WorkloadConfig, "optimizer": OptimizerConfig,
-                              "train": TrainConfig, "stop": StopConfig, "dist": DistConfig}
+                              "train": TrainConfig, "stop": StopConfig, "dist": DistConfig,
+                              "parallel": ParallelConfig}
 
 
 def _section(name: str, cls: type, data: Any) -> Any:
@@ -375,6 +413,8 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None, *,
         cluster = str(p if p.is_absolute() else base_dir / p)
     elif not isinstance(cluster, str | Mapping):
         raise ConfigError("cluster must be a preset name, a path to a TOML file, or a table")
+    if isinstance(kwargs.get("parallel"), ParallelConfig):
+        kwargs["parallel"] = _plan_path(kwargs["parallel"], base_dir)
     cfg = RunConfig(name=validate.check_run_name(data.get("name", "run")), cluster=cluster,
                     engine=str(data.get("engine", "sim")), **kwargs)
     w = cfg.workload
@@ -387,6 +427,13 @@ def config_from_dict(data: Mapping[str, Any], base_dir: Path | None = None, *,
 
         load_cluster(cfg.cluster)
     return cfg
+
+
+def _plan_path(par: ParallelConfig, base_dir: Path | None) -> ParallelConfig:
+    """A plan file's path relative to the config file, like a cluster file's."""
+    if par.plan == "auto" or base_dir is None or Path(par.plan).is_absolute():
+        return par
+    return dataclasses.replace(par, plan=str(base_dir / par.plan))
 
 
 def load_config(path: str | Path) -> RunConfig:

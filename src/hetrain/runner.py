@@ -24,6 +24,9 @@ def run_config(cfg: RunConfig, *, runs_root: str | Path | None = "runs",
     is None; an earlier run of the name is moved aside, `keep_previous_run`, and said so
     unless `quiet`). The simulator runs in this process; the dist engine needs torchrun or
     `hetrain launch` (see hetrain.engine.dist)."""
+    if cfg.engine == "sim" and cfg.parallel is not None:
+        raise ConfigError("[parallel] runs a plan on real processes, not on the simulator: set "
+                          "engine = \"dist\" (or --engine dist), or remove the [parallel] table")
     run_dir = None if runs_root is None else Path(runs_root) / cfg.name
     if run_dir is not None:
         keep_previous_run(run_dir, cfg, quiet)

@@ -130,6 +130,9 @@ FIELD_LIMITS: dict[str, Limit] = {
     "dist.init_timeout_s": positive(1e6),
     "dist.port": integer(0, 65535),
     "dist.ps_shards": integer(1, 1024),
+    "parallel.n_micro": integer(0, 4096),
+    "parallel.restarts": integer(1, 100),
+    "parallel.eval_batch_size": integer(1, 10**6),
 }
 """The range of every numeric field of the run config, by `section.key` (docs/config.md
 shows them). Every value must also be finite; integers must be TOML integers (2.0 is not)."""

@@ -129,7 +129,13 @@ def launch_nodes(args: argparse.Namespace) -> int:
     layout = node_layout(args)
     cfg = apply_overrides(load_config(args.config), args.set)
     cluster = load_cluster(cfg.cluster)
-    layout.check_world(cluster.n, cfg.dist.ps_shards)
+    if cfg.parallel is not None:  # [parallel]: one process per device, no server
+        if layout.world_size != cluster.n:
+            raise ConfigError(f"--nproc-per-node {args.nproc_per_node} makes "
+                              f"{layout.world_size} processes, but [parallel] runs one per "
+                              f"device of the cluster's {cluster.n}")
+    else:
+        layout.check_world(cluster.n, cfg.dist.ps_shards)
     commands = {rank: rank_command(args, rank) for rank in layout.ranks}
     if args.dry_run:
         for rank, cmd in commands.items():
@@ -142,8 +148,9 @@ def launch_nodes(args: argparse.Namespace) -> int:
     if layout.has_rank0:
         nodes.check_master_here(layout.master_addr, layout.master_port)
     if not args.quiet:
-        print(f"hetrain: node {layout.node_rank}: {node_roles(layout.ranks, cluster.devices)}",
-              file=sys.stderr, flush=True)
+        roles = (f"ranks {layout.ranks.start}..{layout.ranks.stop - 1} of the [parallel] plan"
+                 if cfg.parallel is not None else node_roles(layout.ranks, cluster.devices))
+        print(f"hetrain: node {layout.node_rank}: {roles}", file=sys.stderr, flush=True)
     rc = nodes.Supervisor(layout, commands, init_timeout_s=cfg.dist.init_timeout_s,
                           ifname=args.ifname, base_env=os.environ).run()
     if args.json and not layout.has_rank0:
@@ -159,7 +166,12 @@ def prepare_config(args: argparse.Namespace) -> RunConfig:
     cfg = dataclasses.replace(cfg, engine="dist", dist=dist_cfg)
     if args.resume:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=True))
-    if args.nproc:
+    if args.nproc and cfg.parallel is not None:
+        cluster = load_cluster(cfg.cluster)
+        if args.nproc != cluster.n:
+            raise ConfigError(f"--nproc {args.nproc}: [parallel] runs one process per device "
+                              f"of the cluster '{cluster.name}', i.e. --nproc {cluster.n}")
+    elif args.nproc:
         n, shards = load_cluster(cfg.cluster).n, cfg.dist.ps_shards
         if args.nproc != n + shards:
             raise ConfigError(f"--nproc {args.nproc}: the cluster '{cfg.cluster}' has {n} "
@@ -186,7 +198,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = prepare_config(args)
     preflight(cfg, args.runs_dir)
     out = Output(args.quiet, args.json)
-    with out.progress(f"{cfg.name} [{cfg.strategy.name}, dist]") as progress:
+    label = "parallel" if cfg.parallel is not None else cfg.strategy.name
+    with out.progress(f"{cfg.name} [{label}, dist]") as progress:
         result = run_config(cfg, runs_root=args.runs_dir, progress=progress,
                             quiet=args.quiet)
     out.print(comparison_table([result]))

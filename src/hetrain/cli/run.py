@@ -143,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
         check_runs_dir(args.runs_dir, [base.name + "-report"])
     results: list[RunResult] = []
     for cfg in configs:
-        with out.progress(f"{cfg.name} [{cfg.strategy.name}]") as progress:
+        label = "parallel" if cfg.parallel is not None else cfg.strategy.name
+        with out.progress(f"{cfg.name} [{label}]") as progress:
             results.append(run_config(cfg, runs_root=args.runs_dir, progress=progress,
                                       quiet=args.quiet))
     if any("role" in r.summary for r in results):

@@ -519,6 +519,11 @@ def run_distributed(cfg: RunConfig, *, run_dir: Path | None = None,
     return a RunResult without rows (only rank 0 evaluates and writes the run files).
     Otherwise rank 0 runs here and the workers are spawned on this machine.
     """
+    if cfg.parallel is not None:  # an AutoDDL plan instead of a strategy
+        from hetrain.parallel.train import run_parallel
+
+        return run_parallel(cfg, run_dir=run_dir, progress=progress, cluster=cluster,
+                            workload=workload)
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         if env["RANK"] == "0" and restarted_job_resumes(run_dir, cfg):

@@ -140,7 +140,8 @@ def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Se
     res = search_plan(graph, cl, SearchOptions(restarts=restarts, pipeline=pipeline, subsets=subsets),
                       CostOptions(optimizer_states=optimizer_states))
     if out:
-        res.plan.save(out)
+        res.plan.save(out, plan_meta(graph, cl, model, _parse_options(model_options),
+                                     optimizer_states))
     con = console or Console()
     if as_json:
         con.print_json(json.dumps(result_dict(res, cl.name)))
@@ -149,6 +150,26 @@ def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Se
         if out:
             con.print(f"plan saved to {out}")
     return 0
+
+
+def graph_digest(graph: LayerGraph) -> str:
+    """A digest of what a plan depends on in its graph (op names, kinds, shapes, parameter
+    sizes, batch): a plan file records it so that a run refuses a plan of another model."""
+    import hashlib
+
+    ops = [[o.name, o.kind, list(o.out_shape), list(o.weight_shape), o.param_bytes]
+           for o in graph.ops]
+    text = json.dumps({"batch": graph.batch, "ops": ops}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_meta(graph: LayerGraph, cluster: Any, model: str, options: dict[str, Any],
+              optimizer_states: float) -> dict[str, Any]:
+    """What a saved plan was searched for (Plan.save's `meta`)."""
+    return {"model": model, "model_options": {k: str(v) for k, v in options.items()},
+            "batch": graph.batch, "graph_digest": graph_digest(graph),
+            "cluster": cluster.name, "devices": cluster.n,
+            "optimizer_states": optimizer_states}
 
 
 def result_dict(res: SearchResult, cluster: str) -> dict[str, Any]:

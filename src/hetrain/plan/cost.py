@@ -124,26 +124,83 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
-        try:
-            return Plan(str(d["graph"]), tuple(StagePlan(
-                Mesh(tuple(s["mesh_shape"]), tuple(s["devices"])), tuple(s["ops"]),
-                tuple(s["signatures"])) for s in d["stages"]), int(d.get("n_micro", 1)))
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"plan: missing or malformed key {e}; expected graph, stages "
-                              "[{mesh_shape, devices, ops, signatures}], n_micro") from None
+        """A plan from its dict (a saved file's keys beyond these are ignored here); every
+        field's type is checked, so a damaged file fails in one line, never deeper."""
+        def strs(v: Any) -> tuple[str, ...]:
+            if not isinstance(v, list | tuple) or not all(isinstance(x, str) for x in v):
+                raise TypeError("a list of strings")
+            return tuple(v)
 
-    def save(self, path: str | Path) -> None:
+        def ints(v: Any) -> tuple[int, ...]:
+            if not isinstance(v, list | tuple) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise TypeError("a list of integers")
+            return tuple(v)
+
+        try:
+            if not isinstance(d, dict) or not isinstance(d["stages"], list) or not d["stages"]:
+                raise TypeError("stages must be a non-empty list of tables")
+            n_micro = d.get("n_micro", 1)
+            if not isinstance(n_micro, int) or isinstance(n_micro, bool) or n_micro < 1:
+                raise TypeError("n_micro must be an integer >= 1")
+            stages = []
+            for s in d["stages"]:
+                if not isinstance(s, dict):
+                    raise TypeError("every stage must be a table")
+                st = StagePlan(Mesh(ints(s["mesh_shape"]), ints(s["devices"])), strs(s["ops"]),
+                               strs(s["signatures"]))
+                if len(st.ops) != len(st.signatures):
+                    raise TypeError("a stage needs one signature per op")
+                stages.append(st)
+            return Plan(str(d["graph"]), tuple(stages), n_micro)
+        except KeyError as e:
+            raise ConfigError(f"plan: missing key {e}; expected graph, stages [{{mesh_shape, "
+                              "devices, ops, signatures}], n_micro") from None
+        except TypeError as e:
+            raise ConfigError(f"plan: malformed ({e}); expected graph, stages [{{mesh_shape, "
+                              "devices, ops, signatures}], n_micro") from None
+
+    def save(self, path: str | Path, meta: dict[str, Any] | None = None) -> None:
+        """Write the plan as JSON (or TOML for a .toml path), with PLAN_FORMAT and `meta`
+        (what it was searched for: model, batch, cluster), so that `hetrain run` can check
+        that a plan file fits its config before it runs it."""
         p = Path(path)
-        text = tomli_w.dumps(self.to_dict()) if p.suffix == ".toml" else json.dumps(self.to_dict(), indent=1)
-        p.write_text(text)
+        d = {"format": PLAN_FORMAT, **(meta or {}), **self.to_dict()}
+        p.write_text(tomli_w.dumps(d) if p.suffix == ".toml" else json.dumps(d, indent=1))
 
     @staticmethod
     def load(path: str | Path) -> Plan:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"plan file '{p}' not found (write one with `hetrain plan --out`)")
+        return read_plan_file(path)[0]
+
+
+PLAN_FORMAT = 1
+"""Version of a saved plan file (`Plan.save`); files without one (older) still load."""
+
+
+def read_plan_file(path: str | Path) -> tuple[Plan, dict[str, Any]]:
+    """(the plan, the file's other keys) from a JSON or TOML plan file: plain parsing, no
+    pickle or eval; errors are one ConfigError line naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"plan file '{p}' not found (write one with `hetrain plan --out`)")
+    try:
         text = p.read_text()
-        return Plan.from_dict(tomllib.loads(text) if p.suffix == ".toml" else json.loads(text))
+        d = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"plan file '{p}' cannot be read ({str(e).splitlines()[0][:120]}); "
+                          "write it again with `hetrain plan --out`") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"plan file '{p}' holds {type(d).__name__}, not a plan table")
+    fmt = d.get("format", PLAN_FORMAT)
+    if fmt != PLAN_FORMAT:
+        raise ConfigError(f"plan file '{p}' has format {fmt!r}; this hetrain reads format "
+                          f"{PLAN_FORMAT}: write it again with `hetrain plan --out`")
+    try:
+        plan = Plan.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"plan file '{p}': {e}") from None
+    meta = {k: v for k, v in d.items() if k not in ("format", "graph", "n_micro", "stages")}
+    return plan, meta
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,792 @@
+"""`hetrain run` with a [parallel] table: train the workload's model under an AutoDDL plan.
+
+One process per cluster device, no parameter server. The plan (searched at start-up with the
+cluster's speeds, links and memory caps, or read from a `hetrain plan --out` file) decides
+who holds which parameter shards: a one-stage plan runs with DTensor (execute.PlanExecutor),
+a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor). Rank r stands
+for a position in the plan: ranks 0..m-1 are the m devices of a one-stage mesh (the others
+idle), rank s*d+j is device j of pipeline stage s (the executors' convention); the plan's
+device ids pick the devices whose speeds and memory the cost model priced. Every process
+computes on its CPU over gloo.
+
+Every rank draws the same global batch (train.batch_size samples of an epoch permutation
+seeded by train.seed and the epoch), so data needs no shipping, and a resumed run sees the
+batches the uncut run would have. Rank 0 decides when to evaluate, checkpoint and stop
+(wall time differs between ranks) and tells the others with one small broadcast per step.
+To evaluate or checkpoint, every rank gathers its parameters (DTensor shards made full) to
+rank 0, which evaluates a plain copy of the model on the test split (it must hold one copy
+of the parameters, not their gradients or optimizer state) and writes the checkpoint: a
+full, unsharded state dict of model and optimizer, tensors and plain data only, read back
+with torch.load(weights_only=True). What ranks send each other (the plan, parameters, a
+resumed state) is a JSON header plus raw tensor bytes (`pack`): nothing received is unpickled.
+Processes meet through hetrain.engine.dist's rendezvous
+and prove the run's secret (hetrain.engine.auth), as the strategies' processes do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from hetrain.cluster import Cluster, load_cluster
+from hetrain.config import OptimizerConfig, RunConfig
+from hetrain.errors import ConfigError
+from hetrain.plan.cost import CostOptions, Plan, plan_cost, read_plan_file, stage_graphs
+from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
+from hetrain.plan.search import SearchOptions, _gib, search_plan
+from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
+from hetrain.workloads import Workload, evaluate_workload, get_workload
+
+MODELS = ("gpt", "cnn", "mlp", "vgg")
+"""Models the executors can split (a graph builder and pipeline pieces exist for them)."""
+CHECKPOINT_KIND = "hetrain-parallel"
+CHECKPOINT_FORMAT = 1
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+def check_supported(cfg: RunConfig) -> None:
+    """Options the plan executors do not implement, refused in one line each rather than
+    ignored."""
+    w, o, t, d = cfg.workload, cfg.optimizer, cfg.train, cfg.dist
+    if cfg.engine != "dist":
+        raise ConfigError("[parallel] runs on real processes: set engine = \"dist\" (or "
+                          "--engine dist), or remove the [parallel] table to simulate a "
+                          "strategy")
+    if w.model not in MODELS:
+        raise ConfigError(f"[parallel]: model '{w.model}' is not supported by the plan "
+                          f"executors; use one of: {', '.join(MODELS)}")
+    if w.model == "vgg" and w.model_options.get("batch_norm"):
+        raise ConfigError("[parallel]: vgg with batch_norm = true is not supported (the plan "
+                          "graph has no batch norm); set batch_norm = false")
+    if w.model == "gpt" and (w.model_options.get("tie_weights")
+                             or w.model_options.get("dropout", 0.0)):
+        raise ConfigError("[parallel]: gpt with tie_weights or dropout > 0 is not supported; "
+                          "set tie_weights = false and dropout = 0")
+    refused = [(o.scheduler, "optimizer.scheduler", "remove it (a constant lr)"),
+               (o.clip_grad_norm > 0, "optimizer.clip_grad_norm", "set it to 0"),
+               (t.precision != "fp32", "train.precision", "use \"fp32\""),
+               (t.compression != "none", "train.compression", "use \"none\""),
+               (d.ps_shards != 1, "dist.ps_shards", "use 1 (there is no parameter server)"),
+               (d.backend != "gloo", "dist.backend", "use \"gloo\""),
+               (d.device != "cpu", "dist.device", "use \"cpu\"")]
+    for bad, key, fix in refused:
+        if bad:
+            raise ConfigError(f"[parallel] does not support {key} (plans run on CPU processes "
+                              f"over gloo); {fix}, or remove the [parallel] table")
+
+
+def optimizer_states(o: OptimizerConfig) -> float:
+    """Optimizer state bytes per parameter byte, for the cost model's memory."""
+    if o.name in ("adam", "adamw"):
+        return 2.0
+    if o.name == "sgd":
+        return 1.0 if o.momentum > 0 else 0.0
+    return 2.0  # another torch.optim class: assume Adam-like state (the safe side)
+
+
+def run_graph(workload: Workload, model: nn.Module, batch: int) -> LayerGraph:
+    """The layer graph of the workload's model at global batch `batch`, named and shaped as
+    `hetrain plan --model ...` builds it for the same model."""
+    from hetrain.workloads.gpt import GPT
+
+    name = workload.name.rsplit("-", 1)[1]
+    if isinstance(model, GPT):
+        blk = model.blocks[0]
+        return gpt_graph(len(model.blocks), model.tok_emb.embedding_dim,
+                         model.tok_emb.embedding_dim // blk.attn.head_dim,
+                         model.tok_emb.num_embeddings, workload.input_shape[0], batch,
+                         bias=model.ln_f.bias is not None)
+    if name == "vgg":
+        o = workload.model_options
+        c, h, w = workload.input_shape
+        return vgg_graph(batch, (c, h, w), int(o.get("width", 16)), tuple(o.get("convs", (1, 1, 2))),
+                         int(o.get("fc", 128)), workload.num_classes)
+    with torch.random.fork_rng(devices=[]):
+        return graph_from_module(model, torch.zeros(batch, *workload.input_shape), name=name)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What rank 0 decided before the processes start (plain data: it travels to them)."""
+
+    plan: dict[str, Any]
+    source: str
+    """"auto" or the plan file's path."""
+    predicted_step_s: float
+    memory_bytes: float
+    memory_limit_bytes: float
+    world_size: int
+
+
+def _plan_file(path: str, graph: LayerGraph, cluster: Cluster, model: str) -> Plan:
+    from hetrain.parallel.cli_plan import graph_digest
+
+    plan, meta = read_plan_file(path)
+    devices = meta.get("devices")
+    if devices is not None and devices != cluster.n:
+        raise ConfigError(f"plan file '{path}' was searched for {devices} devices, the cluster "
+                          f"'{cluster.name}' has {cluster.n}; search one for this cluster "
+                          f"(`hetrain plan --cluster ... --out`) or use parallel.plan = \"auto\"")
+    used = [i for st in plan.stages for i in st.mesh.devices]
+    if any(not 0 <= i < cluster.n for i in used):
+        raise ConfigError(f"plan file '{path}' uses device {max(used)}, the cluster "
+                          f"'{cluster.name}' has devices 0..{cluster.n - 1}")
+    if meta.get("graph_digest", graph_digest(graph)) != graph_digest(graph):
+        raise ConfigError(f"plan file '{path}' was made for another model or batch (its "
+                          f"model {meta.get('model')!r}, options {meta.get('model_options')}, "
+                          f"batch {meta.get('batch')}); this config's {model} at batch "
+                          f"{graph.batch} has graph {graph.name}: make it with "
+                          f"{_plan_command(graph, model)}")
+    ops = [op for st in plan.stages for op in st.ops]
+    if ops != [op.name for op in graph.ops]:
+        raise ConfigError(f"plan file '{path}' covers ops {ops[:3]}..., not those of this "
+                          f"config's graph {graph.name}: make it with {_plan_command(graph, model)}")
+    return plan
+
+
+def _plan_command(graph: LayerGraph, model: str) -> str:
+    """The `hetrain plan` command that builds this graph (gpt: its options from the graph)."""
+    cmd = f"`hetrain plan --model {model} --batch {graph.batch}"
+    if model == "gpt":
+        emb, head = graph.ops[0], graph.index("head")
+        n_layer = sum(op.name.endswith(".ln1") for op in graph.ops)
+        n_head = graph.ops[graph.index("blocks.0.attn.core")].heads if n_layer else 1
+        opts = dict(n_layer=n_layer, n_embd=emb.weight_shape[1], n_head=n_head,
+                    vocab=graph.ops[head].weight_shape[0], block_size=emb.out_shape[1])
+        cmd += "".join(f" --model-option {k}={v}" for k, v in opts.items())
+    return cmd + " --cluster CLUSTER --out FILE`"
+
+
+def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
+    """Search or read the plan and check everything a process would otherwise fail on, in
+    one ConfigError line each (no process started yet)."""
+    par = cfg.parallel
+    assert par is not None
+    check_supported(cfg)
+    batch = cfg.train.batch_size
+    if len(workload.train) < batch:  # type: ignore[arg-type]
+        raise ConfigError(f"train.batch_size = {batch} is larger than the training set "
+                          f"({len(workload.train)} samples)")  # type: ignore[arg-type]
+    if par.n_micro and batch % par.n_micro:
+        raise ConfigError(f"parallel.n_micro = {par.n_micro} must divide train.batch_size "
+                          f"({batch})")
+    with torch.random.fork_rng(devices=[]):
+        model = workload.build_model()
+    graph = run_graph(workload, model, batch)
+    copts = CostOptions(optimizer_states=optimizer_states(cfg.optimizer))
+    if par.plan == "auto":
+        res = search_plan(graph, cluster, SearchOptions(restarts=par.restarts,
+                                                        pipeline=par.pipeline,
+                                                        subsets=par.subsets), copts)
+        plan = res.plan
+    else:
+        plan = _plan_file(par.plan, graph, cluster, cfg.workload.model)
+    if len(plan.stages) > 1 and par.n_micro:
+        plan = dataclasses.replace(plan, n_micro=par.n_micro)
+    report = plan_cost(graph, plan, cluster, copts)
+    if not report.feasible:
+        raise ConfigError(f"the plan ({_layout(plan)}) needs {_gib(report.memory_bytes)} on a "
+                          f"device of {_gib(report.memory_limit_bytes)}, short by "
+                          f"{_gib(report.memory_bytes - report.memory_limit_bytes)}; use "
+                          "parallel.plan = \"auto\" (it searches for a plan that fits), a "
+                          "smaller batch or model, or devices with more memory")
+    _check_executable(model, graph, plan, par.schedule)
+    return Setup(plan.to_dict(), par.plan, report.time_s, report.memory_bytes,
+                 report.memory_limit_bytes, cluster.n)
+
+
+def _layout(plan: Plan) -> str:
+    stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}"
+                        for st in plan.stages)
+    return stages + (f", {plan.n_micro} micro-batches" if len(plan.stages) > 1 else "")
+
+
+def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule: str) -> None:
+    if len(plan.stages) == 1:
+        from hetrain.parallel.execute import resolve_signatures
+
+        resolve_signatures(graph, plan)
+        return
+    from hetrain.parallel.pipeline import pipeline_layout
+
+    pipeline_layout(model, graph, plan)
+    if schedule == "1f1b" and plan.n_micro < len(plan.stages):
+        raise ConfigError(f"parallel.schedule = \"1f1b\" needs at least as many micro-batches "
+                          f"as stages ({plan.n_micro} < {len(plan.stages)}); set "
+                          f"parallel.n_micro >= {len(plan.stages)} or use \"gpipe\"")
+    for s, (a, b) in enumerate(stage_graphs(graph, plan)):
+        if len(plan.stages[s].mesh.devices) > 1:
+            from hetrain.parallel.execute import resolve_signatures
+
+            resolve_signatures(graph.subgraph(a, b), Plan(plan.graph, (plan.stages[s],)))
+
+
+# ---- one rank ----------------------------------------------------------------------------------
+class _Idle:
+    """A rank a one-stage plan on a subset of the devices leaves out: it only joins the
+    loss broadcast."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        return []
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        loss = torch.zeros(1)
+        dist.broadcast(loss, src=0)
+        return float(loss)
+
+
+class _Member:
+    """A one-stage plan on devices 0..m-1 of a larger group: the executor, plus the loss
+    broadcast to the idle ranks."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.inner.parameters()
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        loss = torch.tensor([self.inner.step(x, y, optimizer)])
+        dist.broadcast(loss, src=0)
+        return float(loss)
+
+
+def build_executor(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload,
+                   cluster: Cluster, schedule: str) -> Any:
+    """This rank's executor (call on every rank: meshes and groups are collective)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hetrain.parallel.execute import PlanExecutor, make_executor
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    st = plan.stages[0]
+    if len(plan.stages) > 1 or len(st.mesh.devices) == world:
+        return make_executor(model, graph, plan, workload.loss_fn, cluster=cluster,
+                             schedule=schedule)
+    m = len(st.mesh.devices)
+    mesh = DeviceMesh("cpu", torch.arange(m).view(st.mesh.shape))
+    if rank >= m:
+        return _Idle()
+    return _Member(PlanExecutor(model, graph, plan, mesh, workload.loss_fn, cluster))
+
+
+def _local_state(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None
+                 ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]]]:
+    """This rank's parameters and optimizer state by parameter name, DTensor shards made full
+    (a collective over each DTensor's mesh: every member calls it in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    def full(t: Any) -> Any:
+        if isinstance(t, DTensor):
+            return t.full_tensor().detach().cpu().clone()
+        return t.detach().cpu().clone() if isinstance(t, Tensor) else t
+
+    mine = {id(p) for p in params}
+    weights, states = {}, {}
+    for name, p in model.named_parameters():
+        if id(p) not in mine:
+            continue
+        weights[name] = full(p)
+        if opt is not None and p in opt.state:
+            states[name] = {k: full(v) for k, v in opt.state[p].items()}
+    return weights, states
+
+
+def _restore(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None,
+             weights: dict[str, Tensor], states: dict[str, dict[str, Any]],
+             groups: list[dict[str, Any]]) -> None:
+    """Load a full state dict into this rank's (possibly sharded) parameters and optimizer:
+    every rank holds the full tensors, so each slices its own shard without communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def shard(full: Tensor, like: Tensor) -> Tensor:
+        if isinstance(like, DTensor):
+            return distribute_tensor(full, like.device_mesh, list(like.placements),
+                                     src_data_rank=None)
+        return full.clone()
+
+    mine = {id(p) for p in params}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) not in mine:
+                continue
+            p.copy_(shard(weights[name], p))
+            if opt is not None and name in states:
+                opt.state[p] = {k: shard(v, p) if isinstance(v, Tensor) and v.shape == p.shape
+                                else (v.clone() if isinstance(v, Tensor) else v)
+                                for k, v in states[name].items()}
+    if opt is not None:
+        for g, saved in zip(opt.param_groups, groups, strict=False):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+
+# ---- exchange between ranks: a JSON header + raw tensor bytes, nothing unpickled -------------
+_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                torch.int64, torch.int32, torch.uint8, torch.bool)}
+
+
+def pack(tree: Any) -> Tensor:
+    """A tree of dicts, lists, plain values and CPU tensors as one uint8 tensor."""
+    tensors: list[Tensor] = []
+
+    def enc(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            if str(v.dtype) not in _DTYPES:
+                raise TypeError(f"cannot send a {v.dtype} tensor")
+            tensors.append(v.detach().cpu().contiguous())
+            return {"__tensor__": len(tensors) - 1, "dtype": str(v.dtype), "shape": list(v.shape)}
+        if isinstance(v, dict):
+            return {"__dict__": [[k, enc(x)] for k, x in v.items()]}
+        if isinstance(v, list | tuple):
+            return [enc(x) for x in v]
+        return v
+
+    header = json.dumps(enc(tree)).encode()
+    parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
+             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+    parts += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+    return torch.cat(parts)
+
+
+def unpack(buf: Tensor) -> Any:
+    """`pack`'s tree back: only JSON and raw bytes of the dtypes in _DTYPES are read."""
+    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    header = json.loads(bytes(buf[8:8 + n].numpy()).decode())
+    offset = 8 + n
+
+    def dec(v: Any) -> Any:
+        nonlocal offset
+        if isinstance(v, dict) and "__tensor__" in v:
+            dtype, shape = _DTYPES[v["dtype"]], [int(x) for x in v["shape"]]
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            raw = buf[offset:offset + size].clone()
+            offset += size
+            return raw.view(dtype).reshape(shape)
+        if isinstance(v, dict) and "__dict__" in v:
+            return {k: dec(x) for k, x in v["__dict__"]}
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        return v
+
+    return dec(header)
+
+
+def gather_to_rank0(tree: Any) -> list[Any] | None:
+    """Every rank's `tree` on rank 0 (None elsewhere); collective over all ranks."""
+    buf = pack(tree)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([buf.numel()]))
+    most = int(max(s.item() for s in sizes))
+    padded = torch.cat([buf, torch.zeros(most - buf.numel(), dtype=torch.uint8)])
+    parts = [torch.empty(most, dtype=torch.uint8) for _ in range(world)] \
+        if dist.get_rank() == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if parts is None:
+        return None
+    return [unpack(p[:int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
+
+
+def broadcast_from_rank0(tree: Any) -> Any:
+    """Rank 0's `tree` on every rank (others pass None); collective over all ranks."""
+    buf = pack(tree) if dist.get_rank() == 0 else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([buf.numel()])
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    return unpack(buf) if dist.get_rank() != 0 else tree
+
+
+def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None,
+            busy_s: float, with_optimizer: bool) -> tuple[dict[str, Tensor],
+                                                          dict[str, dict[str, Any]],
+                                                          list[float]] | None:
+    """Rank 0: the whole model's parameters (and optimizer state), and every rank's busy
+    seconds; None on the other ranks. Collective over all ranks."""
+    weights, states = _local_state(model, params, opt if with_optimizer else None)
+    parts = gather_to_rank0([weights, states, busy_s])
+    if parts is None:
+        return None
+    all_w: dict[str, Tensor] = {}
+    all_s: dict[str, dict[str, Any]] = {}
+    for w, s, _ in parts:
+        for k, v in w.items():
+            all_w.setdefault(k, v)
+        for k, v in s.items():
+            all_s.setdefault(k, v)
+    return all_w, all_s, [float(b) for _, _, b in parts]
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+def checkpoint_file(run_dir: Path) -> Path:
+    from hetrain.engine.checkpoint import checkpoint_path
+
+    return checkpoint_path(run_dir)
+
+
+def save_checkpoint(run_dir: Path, weights: dict[str, Tensor], states: dict[str, Any],
+                    groups: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    """runs/<name>/checkpoint.pt: tensors and plain data only (weights_only-loadable);
+    written to a temporary file and renamed, so a crash keeps the previous one."""
+    path = checkpoint_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save({"kind": CHECKPOINT_KIND, "format": CHECKPOINT_FORMAT, "model": weights,
+                "optimizer": {"state": states,
+                              "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                               for g in groups]},
+                "meta": json.dumps(meta)}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) -> dict[str, Any]:
+    """A [parallel] checkpoint, checked against the config: one line for a missing,
+    unreadable or foreign file (another workload, cluster, optimizer or plan)."""
+    if run_dir is None:
+        raise ConfigError("train.resume = true needs a run directory (runs_root is None)")
+    path = checkpoint_file(run_dir)
+    if not path.is_file():
+        raise ConfigError(f"train.resume = true but there is no checkpoint at '{path}'; run "
+                          "without --resume first")
+    try:
+        data = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # a bad zip, pickle record or tensor: torch raises many kinds
+        raise ConfigError(f"checkpoint '{path}' cannot be read ({str(e).splitlines()[0][:120]});"
+                          " move it away and start afresh") from None
+    if not isinstance(data, dict) or data.get("kind") != CHECKPOINT_KIND:
+        raise ConfigError(f"checkpoint '{path}' is not a [parallel] run's (it was written by a "
+                          "strategy run); resume it without [parallel], or start afresh")
+    if data.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"checkpoint '{path}' has format {data.get('format')!r}, expected "
+                          f"{CHECKPOINT_FORMAT}; start the run afresh")
+    try:
+        meta = json.loads(data["meta"])
+        model, opt = data["model"], data["optimizer"]
+        states, groups = opt["state"], opt["param_groups"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint '{path}' is damaged ({e}); start the run afresh") from None
+    now = cfg.to_dict()
+    for key in ("workload", "cluster"):
+        if meta["config"].get(key) != now.get(key):
+            raise ConfigError(f"checkpoint '{path}' was written with another {key}; resume "
+                              f"with the same {key} or start afresh")
+    if meta["config"]["optimizer"]["name"] != cfg.optimizer.name:
+        raise ConfigError(f"checkpoint '{path}' was written with optimizer.name = "
+                          f"{meta['config']['optimizer']['name']!r}, the config says "
+                          f"{cfg.optimizer.name!r}; resume with the same optimizer")
+    if meta["plan"] != plan:
+        raise ConfigError(f"checkpoint '{path}' was written under another plan; resume with "
+                          "the same parallel.plan (a plan file of that run) or start afresh")
+    return {"model": model, "states": states, "groups": groups, "meta": meta}
+
+
+# ---- the training loop -------------------------------------------------------------------------
+_EVAL, _CKPT, _STOP = 0, 1, 2
+
+
+def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluster,
+               run_dir: Path | None, progress: Any = None) -> RunResult | None:
+    """Train on this rank of an initialised process group; rank 0 returns the RunResult."""
+    par = cfg.parallel
+    assert par is not None
+    rank = dist.get_rank()
+    plan = Plan.from_dict(setup.plan)
+    batch = cfg.train.batch_size
+    torch.manual_seed(cfg.train.seed)
+    model = workload.build_model()
+    graph = run_graph(workload, model, batch)
+    ex = build_executor(model, graph, plan, workload, cluster, par.schedule)
+    params = ex.parameters()
+    from hetrain.engine.core import build_optimizer
+
+    opt = build_optimizer(cfg.optimizer, iter(params)) if params else None
+    reference = workload.build_model() if rank == 0 else None  # rank 0 evaluates a plain copy
+
+    n_train = len(workload.train)  # type: ignore[arg-type]
+    per_epoch = n_train // batch
+    max_steps = max(1, math.ceil(cfg.stop.max_epochs * n_train / batch))
+    step, offset_s, busy = 0, 0.0, 0.0
+    log: MetricsLog | None = None
+    next_eval = _eval_interval(cfg, n_train)
+    if rank == 0:
+        log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
+                         cfg.stop.target_accuracy, cfg.stop.target_loss,
+                         tensorboard=cfg.train.tensorboard)
+    if cfg.train.resume:
+        ck = broadcast_from_rank0(load_checkpoint(run_dir, cfg, setup.plan) if rank == 0
+                                  else None)
+        _restore(model, params, opt, ck["model"], ck["states"], ck["groups"])
+        meta = ck["meta"]
+        step, offset_s, busy = meta["step"], meta["elapsed_s"], meta["busy_s"][rank]
+        next_eval = meta["next_eval"]
+        if log is not None:
+            log.restore(meta["rows"], step)
+            log.tta_s, log.tta_samples = meta["tta"]
+        ck = None
+
+    t0 = time.perf_counter() - offset_s
+    loss_sum, loss_n = 0.0, 0
+    busy_all: list[float] = [busy] * dist.get_world_size()
+    perm, perm_epoch = torch.empty(0, dtype=torch.long), -1
+    stop_reason = "max_epochs"
+    try:
+        while step < max_steps:
+            epoch_i, k = divmod(step, per_epoch)
+            if epoch_i != perm_epoch:
+                g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + epoch_i)
+                perm, perm_epoch = torch.randperm(n_train, generator=g), epoch_i
+            x, y = workload.batch(perm[k * batch:(k + 1) * batch])
+            tb = time.perf_counter()
+            loss = ex.step(x, y, opt)
+            busy += time.perf_counter() - tb
+            step += 1
+            loss_sum, loss_n = loss_sum + loss, loss_n + 1
+            flags = torch.zeros(3, dtype=torch.int64)
+            if rank == 0:
+                elapsed = time.perf_counter() - t0
+                due = (elapsed >= next_eval if cfg.train.eval_every_s
+                       else step * batch >= next_eval)
+                timed_out = cfg.stop.max_time_s > 0 and elapsed >= cfg.stop.max_time_s
+                last = step >= max_steps or timed_out
+                every = cfg.train.checkpoint_every
+                flags[_EVAL] = int(due or last)
+                flags[_CKPT] = int(cfg.train.checkpoint and (last or (every and step % every == 0)))
+                flags[_STOP] = int(timed_out)
+                if timed_out:
+                    stop_reason = "max_time_s"
+                if progress is not None:
+                    progress(min(1.0, max(step / max_steps, elapsed / cfg.stop.max_time_s
+                                          if cfg.stop.max_time_s else 0.0)), None)
+            dist.broadcast(flags, src=0)
+            if flags[_EVAL] or flags[_CKPT]:
+                paused = time.perf_counter()
+                got = _gather(model, params, opt, busy, with_optimizer=bool(flags[_CKPT]))
+                stop = torch.zeros(1, dtype=torch.int64)
+                if got is not None:
+                    assert log is not None and reference is not None
+                    weights, states, busy_all = got
+                    elapsed = paused - t0
+                    if flags[_EVAL]:
+                        row = _evaluate(log, reference, weights, workload, cfg, step, elapsed,
+                                        loss_sum / max(loss_n, 1), busy_all, n_train)
+                        loss_sum, loss_n = 0.0, 0
+                        while next_eval <= (elapsed if cfg.train.eval_every_s else step * batch):
+                            next_eval += _eval_interval(cfg, n_train)
+                        if progress is not None:
+                            progress(min(1.0, step / max_steps), row)
+                        if cfg.stop.stop_at_target and log.target_reached():
+                            stop[0], stop_reason = 1, "target"
+                    if flags[_CKPT] and run_dir is not None:
+                        save_checkpoint(run_dir, weights, states, opt.param_groups if opt
+                                        else [], {"step": step, "elapsed_s": elapsed,
+                                                  "busy_s": busy_all, "next_eval": next_eval,
+                                                  "rows": log.rows,
+                                                  "tta": [log.tta_s, log.tta_samples],
+                                                  "config": cfg.to_dict(),
+                                                  "plan": setup.plan})
+                dist.broadcast(stop, src=0)
+                t0 += time.perf_counter() - paused  # run time excludes evaluations, as in dist
+                if stop[0]:
+                    break
+            if flags[_STOP]:
+                break
+    finally:
+        if log is not None:
+            log.close()
+    if rank != 0:
+        return None
+    assert log is not None
+    return _summary(log, cfg, setup, cluster, workload, step, time.perf_counter() - t0,
+                    busy_all, stop_reason)
+
+
+def _eval_interval(cfg: RunConfig, n_train: int) -> float:
+    """Seconds (train.eval_every_s) or samples (train.eval_every_epochs) between evaluations."""
+    if cfg.train.eval_every_s:
+        return cfg.train.eval_every_s
+    return max(1.0, cfg.train.eval_every_epochs * n_train)
+
+
+def _evaluate(log: MetricsLog, reference: nn.Module, weights: dict[str, Tensor],
+              workload: Workload, cfg: RunConfig, step: int, elapsed: float, train_loss: float,
+              busy: list[float], n_train: int) -> dict[str, Any]:
+    assert cfg.parallel is not None
+    reference.load_state_dict(weights)
+    test_loss, acc = evaluate_workload(reference, workload,
+                                       batch_size=cfg.parallel.eval_batch_size)
+    samples = step * cfg.train.batch_size
+    _worker_times(log, busy, elapsed, samples)
+    return log.record(time_s=elapsed, samples=samples, epoch=samples / n_train, updates=step,
+                      test_loss=test_loss, test_accuracy=acc, train_loss=train_loss,
+                      bytes_total=0)
+
+
+def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int) -> None:
+    """Per device: seconds inside training steps (compute and communication: they are not
+    told apart), the rest idle; the run's samples split evenly over the devices (a plan
+    shares every sample's work among them)."""
+    n = len(log.workers)
+    for i, w in enumerate(log.workers):
+        b = busy[i] if i < len(busy) else 0.0
+        w.busy_s, w.comm_s, w.idle_s = b, 0.0, max(0.0, elapsed - b)
+        w.samples = samples // n + (1 if i < samples % n else 0)
+
+
+def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
+             workload: Workload, step: int, elapsed: float, busy: list[float],
+             stop_reason: str) -> RunResult:
+    from hetrain.workloads import flops_per_sample
+
+    samples = step * cfg.train.batch_size
+    _worker_times(log, busy, elapsed, samples)
+    fps = flops_per_sample(workload)
+    plan = Plan.from_dict(setup.plan)
+    extra = {"engine": "dist", "strategy": "parallel", "cluster": cluster.name,
+             "workload": workload.name, "n_workers": cluster.n, "flops_per_sample": fps,
+             "config": cfg.to_dict(), "stop_reason": stop_reason,
+             "parallel": {"plan_source": setup.source, "plan": setup.plan,
+                          "layout": _layout(plan), "schedule": cfg.parallel.schedule
+                          if cfg.parallel else "", "predicted_step_s": setup.predicted_step_s,
+                          "measured_step_s": max(busy) / step if step and busy else None,
+                          "memory_bytes": setup.memory_bytes,
+                          "memory_limit_bytes": setup.memory_limit_bytes,
+                          "bytes_measured": False}}
+    ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
+    return log.summarise(time_s=elapsed, ideal_samples_per_s=ideal, extra=extra)
+
+
+# ---- processes ---------------------------------------------------------------------------------
+def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> None:
+    """A spawned rank: join the group (rendezvous + the run's secret) and train."""
+    from hetrain.engine import dist as engine
+    from hetrain.engine.signals import worker_signals
+
+    torch.set_num_threads(cfg.train.threads)
+    worker_signals()  # rank 0 decides when the run ends
+    cluster = load_cluster(cfg.cluster)
+    workload = _workload(cfg)
+    engine._init(rv, cfg, run_dir)
+    try:
+        train_rank(cfg, setup, workload, cluster, run_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _workload(cfg: RunConfig) -> Workload:
+    w = cfg.workload
+    return get_workload(w.model, w.dataset, model_options=w.model_options,
+                        dataset_options=w.dataset_options)
+
+
+def run_parallel(cfg: RunConfig, *, run_dir: Path | None = None, progress: Any = None,
+                 cluster: Cluster | None = None, workload: Workload | None = None
+                 ) -> RunResult:
+    """engine = "dist" with [parallel] (hetrain.engine.dist.run_distributed comes here):
+    under torchrun or `hetrain launch --nnodes` (RANK/WORLD_SIZE set) this process runs its
+    rank; otherwise rank 0 runs here and one process per other device is spawned locally."""
+    from hetrain.engine import dist as engine
+
+    check_supported(cfg)
+    env = os.environ
+    cluster = cluster or load_cluster(cfg.cluster)
+    gpu = [dv.name for dv in cluster.devices if dv.torch_device not in (None, "cpu")]
+    if gpu:
+        raise ConfigError(f"[parallel] runs on CPU processes over gloo; device '{gpu[0]}' has "
+                          "torch_device set: remove it from the cluster, or remove [parallel]")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rv = engine.Rendezvous(int(env["RANK"]), int(env["WORLD_SIZE"]),
+                               env.get("MASTER_ADDR", "127.0.0.1"),
+                               int(env.get("MASTER_PORT", "29500")),
+                               from_env=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                               local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                               local_world_size=int(env.get("LOCAL_WORLD_SIZE",
+                                                            env["WORLD_SIZE"])))
+        return _run_env_rank(rv, cfg, cluster, workload, run_dir, progress)
+    return _spawn(cfg, cluster, workload or _workload(cfg), run_dir, progress)
+
+
+def _check_world(world: int, cluster: Cluster) -> None:
+    if world != cluster.n:
+        raise ConfigError(f"{world} processes for a cluster of {cluster.n} devices: [parallel] "
+                          f"runs one process per device (no parameter server), i.e. "
+                          f"{cluster.n} (torchrun --nproc-per-node {cluster.n})")
+
+
+def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload | None,
+                  run_dir: Path | None, progress: Any) -> RunResult:
+    """This process's rank under torchrun / `hetrain launch --nnodes`: rank 0 decides the
+    plan and sends it to the others once the group (and its secret) is established."""
+    from hetrain.engine import dist as engine
+
+    _check_world(rv.world_size, cluster)
+    torch.set_num_threads(cfg.train.threads)
+    workload = workload or _workload(cfg)
+    setup = make_setup(cfg, cluster, workload) if rv.rank == 0 else None
+    engine._init(rv, cfg, run_dir)
+    try:
+        setup = Setup(**broadcast_from_rank0(dataclasses.asdict(setup) if setup is not None
+                                             else None))
+        result = train_rank(cfg, setup, workload, cluster, run_dir,
+                            progress if rv.rank == 0 else None)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        return result
+    return RunResult(cfg.name, [], {"name": cfg.name, "engine": "dist", "role": "worker",
+                                    "rank": rv.rank, "strategy": "parallel",
+                                    "final_accuracy": None}, None)
+
+
+def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path | None,
+           progress: Any) -> RunResult:
+    """Rank 0 here, ranks 1..n-1 spawned on this machine; listener on dist.master_addr, a
+    fresh secret handed to the children only."""
+    from hetrain.engine import auth
+    from hetrain.engine import dist as engine
+
+    setup = make_setup(cfg, cluster, workload)  # every refusal before any process starts
+    if cfg.train.resume:
+        load_checkpoint(run_dir, cfg, setup.plan)
+    d = cfg.dist
+    listener = engine.bind_listener(d.master_addr, d.port)
+    port = listener.getsockname()[1]
+    secret = auth.new_secret()
+    ctx = mp.get_context("spawn")
+    procs = []
+    result = None
+    try:
+        for rank in range(1, cluster.n):
+            rv = engine.Rendezvous(rank, cluster.n, d.master_addr, port, secret=secret)
+            p = ctx.Process(target=_rank_main, args=(rv, cfg, setup, run_dir), daemon=False,
+                            name=f"hetrain-parallel-{rank}")
+            p.start()
+            procs.append(p)
+        rv0 = engine.Rendezvous(0, cluster.n, d.master_addr, port, secret=secret,
+                                listener=listener)
+        torch.set_num_threads(cfg.train.threads)
+        engine._init(rv0, cfg, run_dir)
+        try:
+            result = train_rank(cfg, setup, workload, cluster, run_dir, progress)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        listener.close()
+        engine._reap(procs, [])
+    failed = [p.name for p in procs if p.exitcode not in (0, None)]
+    if failed:
+        raise RuntimeError(f"[parallel]: process(es) {', '.join(failed)} failed (see above)")
+    assert result is not None
+    return result

@@ -1,0 +1,261 @@
+"""`hetrain run` with [parallel]: a small GPT trained under a searched or saved plan on real
+gloo processes (spawned by `python -m hetrain run`), checkpoint + resume, and one-line refusals."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetrain.cli import main
+from hetrain.plan.cost import Plan
+from hetrain.plan.graph import gpt_graph
+from hetrain.plan.sbp import Mesh
+from hetrain.plan.search import template_plan
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+CLUSTER = """
+name = "capped"
+sites = [{ name = "s", lan = { bandwidth_Bps = 1e9 }, wan = { bandwidth_Bps = 1e9 } }]
+devices = [DEVICES]
+"""
+TWO = ('{ name = "small", flops = 1e9, memory_bytes = 450000 }, '
+       '{ name = "big", flops = 2e9, memory_bytes = 2000000 }')
+SMALL_CAP = 450_000
+CONFIG = """
+name = "NAME"
+engine = "dist"
+cluster = "cluster.toml"
+[workload]
+model = "gpt"
+dataset = "text"
+model_options = { n_layer = 2, n_embd = 32, n_head = 2 }
+dataset_options = { max_chars = 40000, block_size = 32 }
+[optimizer]
+name = "adam"
+lr = 0.01
+[train]
+batch_size = 8
+eval_every_epochs = 0.1
+[stop]
+max_epochs = EPOCHS
+[dist]
+init_timeout_s = 60
+[parallel]
+PARALLEL
+"""
+GPT = dict(n_layer=2, n_embd=32, block=32, batch=8)
+
+
+def write_config(d: Path, name: str, epochs: float = 0.3, parallel: str = 'plan = "auto"',
+                 devices: str = TWO) -> Path:
+    (d / "cluster.toml").write_text(CLUSTER.replace("DEVICES", devices))
+    p = d / f"{name}.toml"
+    p.write_text(CONFIG.replace("NAME", name).replace("EPOCHS", str(epochs))
+                 .replace("PARALLEL", parallel))
+    return p
+
+
+def hetrain(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`python -m hetrain ...` in its own process group, killed whole on a timeout."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "hetrain", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@functools.cache
+def vocab() -> int:
+    from hetrain.workloads import get_workload
+
+    return get_workload("gpt", "text", model_options={"n_layer": 2, "n_embd": 32, "n_head": 2},
+                        dataset_options={"max_chars": 40000, "block_size": 32}).num_classes
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uncut run: plan = "auto" on a cluster whose small device cannot hold the model's
+    parameters, gradients and Adam state."""
+    d = tmp_path_factory.mktemp("auto")
+    cfg = write_config(d, "auto")
+    r = hetrain("run", str(cfg), "--runs-dir", str(d / "runs"), "--quiet", "--no-plot")
+    assert r.returncode == 0, r.stderr
+    return d / "runs" / "auto"
+
+
+def test_auto_plan_trains_where_the_small_device_cannot_hold_the_model(auto_run: Path,
+                                                                         capsys) -> None:
+    graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
+    assert graph.param_bytes() * (2 + 2) > SMALL_CAP  # params + grads + Adam's 2 states
+    summary = json.loads((auto_run / "summary.json").read_text())
+    assert summary["strategy"] == "parallel" and summary["engine"] == "dist"
+    plan = Plan.from_dict(summary["parallel"]["plan"])
+    assert summary["parallel"]["memory_bytes"] <= SMALL_CAP
+    assert sorted(i for st in plan.stages for i in st.mesh.devices) == [0, 1]
+    got = rows(auto_run)
+    assert len(got) == 3 and got[-1]["updates"] == 43 and got[-1]["samples"] == 43 * 8
+    assert got[-1]["test_loss"] < got[0]["test_loss"] < 4.0  # ln(92) = 4.5 at the start
+    assert got[-1]["train_loss"] < got[0]["train_loss"]
+    ck = torch.load(auto_run / "checkpoint.pt", weights_only=True)
+    assert set(ck["model"]) >= {"tok_emb.weight", "head.weight", "blocks.1.mlp.fc.weight"}
+    assert ck["model"]["head.weight"].shape == (vocab(), 32)  # full, not a shard
+    assert main(["report", str(auto_run), "--out", str(auto_run.parent / "rep"), "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    assert reported["runs"][0]["strategy"] == "parallel"
+    assert reported["runs"][0]["final_accuracy"] == pytest.approx(got[-1]["test_accuracy"])
+
+
+def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) -> None:
+    write_config(tmp_path, "unused")
+    plan_file = tmp_path / "plan.json"
+    opts = [f"--model-option={k}={v}" for k, v in
+            dict(n_layer=2, n_embd=32, n_head=2, vocab=vocab(), block_size=32).items()]
+    assert main(["plan", "--cluster", str(tmp_path / "cluster.toml"), "--model", "gpt",
+                 "--batch", "8", *opts, "--out", str(plan_file), "--json"]) == 0
+    saved = json.loads(plan_file.read_text())
+    assert saved["format"] == 1 and saved["devices"] == 2 and saved["batch"] == 8
+    cfg = write_config(tmp_path, "file", parallel='plan = "plan.json"\nschedule = "1f1b"')
+    r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plot")
+    assert r.returncode == 0, r.stderr
+    got, ref = rows(tmp_path / "runs" / "file"), rows(auto_run)
+    assert json.loads((tmp_path / "runs" / "file" / "summary.json").read_text())[
+        "parallel"]["plan"]["stages"] == saved["stages"]
+    # the file holds the plan auto found: 1F1B trains like GPipe up to float order
+    assert [x["test_loss"] for x in got] == pytest.approx([x["test_loss"] for x in ref],
+                                                          rel=1e-4)
+
+
+def test_resume_continues_as_the_uncut_run(auto_run: Path, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, "auto", epochs=0.2)
+    runs = str(tmp_path / "runs")
+    r = hetrain("run", str(cfg), "--runs-dir", runs, "--quiet", "--no-plot")
+    assert r.returncode == 0, r.stderr
+    assert rows(tmp_path / "runs" / "auto")[-1]["updates"] == 29
+    r = hetrain("run", str(cfg), "--runs-dir", runs, "--quiet", "--no-plot", "--resume",
+                "--set", "stop.max_epochs=0.3")
+    assert r.returncode == 0, r.stderr
+    got, ref = rows(tmp_path / "runs" / "auto"), rows(auto_run)
+    assert [x["updates"] for x in got] == [x["updates"] for x in ref]
+    for a, b in zip(got, ref, strict=True):  # the same batches, weights and Adam state
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+    resumed = torch.load(tmp_path / "runs" / "auto" / "checkpoint.pt", weights_only=True)
+    uncut = torch.load(auto_run / "checkpoint.pt", weights_only=True)
+    for k, v in uncut["model"].items():
+        torch.testing.assert_close(resumed["model"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def _error(capsys, *args: str) -> str:
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path: Path, capsys) -> None:
+    cfg = str(write_config(tmp_path, "bad"))
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--quiet"]
+    assert "not on the simulator" in _error(capsys, "run", cfg, "--engine", "sim", *runs)
+    assert "not supported" in _error(capsys, "run", cfg, *runs, "--set", 'workload.model="resnet"',
+                                     "--set", 'workload.dataset="digits"',
+                                     "--set", "workload.model_options={}",
+                                     "--set", "workload.dataset_options={}")
+    (tmp_path / "broken.json").write_text('{"stages": [')
+    assert "cannot be read" in _error(capsys, "run", cfg, *runs, "--set",
+                                      f'parallel.plan="{tmp_path / "broken.json"}"')
+    graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
+    dp = template_plan(graph, Mesh((2,), (0, 1)), "dp")  # every device holds the whole model
+    dp.save(tmp_path / "dp.json", {"devices": 2})
+    assert "short by" in _error(capsys, "run", cfg, *runs, "--set",
+                                f'parallel.plan="{tmp_path / "dp.json"}"')
+    dp.save(tmp_path / "three.json", {"devices": 3})
+    assert "3 devices" in _error(capsys, "run", cfg, *runs, "--set",
+                                 f'parallel.plan="{tmp_path / "three.json"}"')
+    big = gpt_graph(3, 32, 2, vocab(), 32, 8)
+    template_plan(big, Mesh((2,), (0, 1)), "dp").save(tmp_path / "other.json", {"devices": 2})
+    assert "hetrain plan --model gpt --batch 8" in _error(
+        capsys, "run", cfg, *runs, "--set", f'parallel.plan="{tmp_path / "other.json"}"')
+    assert "fits no device memory" in _error(capsys, "run", cfg, *runs,
+                                             "--set", "train.batch_size=64")
+    assert "parallel.schedule" in _error(capsys, "run", cfg, *runs,
+                                         "--set", 'parallel.schedule="zb"')
+    assert not (tmp_path / "runs" / "bad").exists() or not any(
+        (tmp_path / "runs" / "bad").glob("metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_four_ranks_under_torchrun(tmp_path: Path) -> None:
+    """Four devices, two of them too small for the model: a pipeline of two 2-device DTensor
+    stages, run by torchrun (each rank its own `hetrain run`)."""
+    four = ", ".join(f'{{ name = "d{i}", flops = {1e9 * (1 + i // 2)}, memory_bytes = '
+                     f'{450000 if i < 2 else 2000000} }}' for i in range(4))
+    cfg = write_config(tmp_path, "four", epochs=0.2, devices=four)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", "-m", "hetrain", "run", str(cfg),
+                          "--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plot"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=280)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "runs" / "four" / "summary.json").read_text())
+    plan = Plan.from_dict(summary["parallel"]["plan"])
+    assert [len(st.mesh.devices) for st in plan.stages] == [2, 2]
+    got = rows(tmp_path / "runs" / "four")
+    assert got[-1]["updates"] == 29 and got[-1]["test_loss"] < got[0]["test_loss"]
+
+
+def test_pack_round_trips_without_pickle() -> None:
+    from hetrain.parallel.train import pack, unpack
+
+    tree = {"w": torch.randn(3, 4), "s": {"step": torch.tensor(5.0), "m": torch.zeros(0)},
+            "i": torch.arange(4), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "busy": 1.5}
+    back = unpack(pack(tree))
+    torch.testing.assert_close(back["w"], tree["w"])
+    assert back["s"]["step"].item() == 5.0 and back["s"]["m"].shape == (0,)
+    assert back["i"].tolist() == [0, 1, 2, 3] and back["groups"] == [{"lr": 0.1,
+                                                                      "betas": [0.9, 0.99]}]
+    assert back["busy"] == 1.5
+
+
+@pytest.mark.slow
+def test_one_stage_plan_on_a_subset_leaves_the_other_ranks_idle(tmp_path: Path) -> None:
+    """Three devices where only the largest holds the model: the plan is a one-device mesh,
+    run by rank 0 while ranks 1 and 2 idle; it trains like the pipeline plan of two devices."""
+    three = ('{ name = "a", flops = 1e9, memory_bytes = 450000 }, '
+             '{ name = "b", flops = 2e9, memory_bytes = 1000000 }, '
+             '{ name = "c", flops = 3e9, memory_bytes = 2000000 }')
+    cfg = write_config(tmp_path, "three", epochs=0.2, devices=three)
+    r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plot")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "runs" / "three" / "summary.json").read_text())
+    plan = Plan.from_dict(summary["parallel"]["plan"])
+    assert len(plan.stages) == 1 and plan.stages[0].mesh.devices == (2,)
+    got = rows(tmp_path / "runs" / "three")
+    assert got[-1]["updates"] == 29 and got[-1]["test_loss"] < got[0]["test_loss"]
