@@ -3,11 +3,10 @@
 One process per cluster device, no parameter server. The plan (searched at start-up with the
 cluster's speeds, links and memory caps, or read from a `hetrain plan --out` file) decides
 who holds which parameter shards: a one-stage plan runs with DTensor (execute.PlanExecutor),
-a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor). Rank r stands
-for a position in the plan: ranks 0..m-1 are the m devices of a one-stage mesh (the others
-idle), rank s*d+j is device j of pipeline stage s (the executors' convention); the plan's
-device ids pick the devices whose speeds and memory the cost model priced. Every process
-computes on its CPU over gloo.
+a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor). Rank r is
+cluster device r: every stage runs on the devices the plan sized it for (a slow or small
+device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
+over gloo.
 
 Every rank draws the same global batch (train.batch_size samples of an epoch permutation
 seeded by train.seed and the epoch), so data needs no shipping, and a resumed run sees the
@@ -233,52 +232,15 @@ def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule:
 
 
 # ---- one rank ----------------------------------------------------------------------------------
-class _Idle:
-    """A rank a one-stage plan on a subset of the devices leaves out: it only joins the
-    loss broadcast."""
-
-    def parameters(self) -> list[nn.Parameter]:
-        return []
-
-    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
-        loss = torch.zeros(1)
-        dist.broadcast(loss, src=0)
-        return float(loss)
-
-
-class _Member:
-    """A one-stage plan on devices 0..m-1 of a larger group: the executor, plus the loss
-    broadcast to the idle ranks."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self.inner.parameters()
-
-    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
-        loss = torch.tensor([self.inner.step(x, y, optimizer)])
-        dist.broadcast(loss, src=0)
-        return float(loss)
-
-
 def build_executor(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload,
                    cluster: Cluster, schedule: str) -> Any:
-    """This rank's executor (call on every rank: meshes and groups are collective)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    """This rank's executor (call on every rank: meshes and groups are collective). Rank r
+    is cluster device r: a stage runs on the devices the plan sized it for, ranks the plan
+    leaves out idle (execute.make_executor)."""
+    from hetrain.parallel.execute import make_executor
 
-    from hetrain.parallel.execute import PlanExecutor, make_executor
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    st = plan.stages[0]
-    if len(plan.stages) > 1 or len(st.mesh.devices) == world:
-        return make_executor(model, graph, plan, workload.loss_fn, cluster=cluster,
-                             schedule=schedule)
-    m = len(st.mesh.devices)
-    mesh = DeviceMesh("cpu", torch.arange(m).view(st.mesh.shape))
-    if rank >= m:
-        return _Idle()
-    return _Member(PlanExecutor(model, graph, plan, mesh, workload.loss_fn, cluster))
+    return make_executor(model, graph, plan, workload.loss_fn, cluster=cluster,
+                         schedule=schedule)
 
 
 def _local_state(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None
