@@ -101,9 +101,11 @@ _FORMULA = {  # (latency steps, byte fraction) of each ring collective over p de
 _WEIGHTED = ("linear", "conv", "embedding", "layernorm")  # the cost model's 3x (else 2x)
 
 
-def _time_s(fn: Any, calls: int = 8, reps: int = 3) -> float:
-    """Median over reps of the mean time of `calls` back-to-back calls, all ranks starting
-    together: back to back, as the executor's per-tensor gradient loop and ops run."""
+def _time_s(fn: Any, calls: int = 8, reps: int = 7) -> float:
+    """Least over reps of the mean time of `calls` back-to-back calls, all ranks starting
+    together: back to back, as the executor's per-tensor gradient loop and ops run. The least
+    (not the median): other work on the machine only ever adds time, and with 3 medians the
+    fitted per-call cost varied 309-1110 us between repeats, reordering the VGG plans."""
     fn()
     out = []
     for _ in range(reps):
@@ -112,7 +114,7 @@ def _time_s(fn: Any, calls: int = 8, reps: int = 3) -> float:
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t) / calls)
-    return statistics.median(out)
+    return min(out)
 
 
 def _collective_times(world: int) -> list[tuple[str, int, int, float]]:
@@ -215,7 +217,7 @@ def _op_profile(world: int, flops: float) -> tuple[dict[str, float], dict[str, f
                 out = fn(*args)
                 out.backward(torch.ones_like(out))
 
-            times[(kind, s)] = (_time_s(step, 5, 5), fl)
+            times[(kind, s)] = (_time_s(step, 5, 9), fl)
     overhead, speed = {}, {}
     for kind in _op_cases(1):
         (tb, fb), (ts, fs) = times[(kind, 1)], times[(kind, 8)]
@@ -323,6 +325,13 @@ def main() -> None:
     write(repeats, args)
 
 
+def _measured_agreement(repeats: list[dict[str, Any]], model: str) -> list[float]:
+    """Spearman between two repeats' measured plan times, for every pair of repeats."""
+    times = [[r["measured_s"] for r in rep["rows"] if r["model"] == model] for rep in repeats]
+    return [float(spearmanr(times[a], times[b])[0])
+            for a in range(len(times)) for b in range(a + 1, len(times))]
+
+
 def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
     cmd = "  ".join([".venv/bin/python", *sys.argv])
     OUT.mkdir(parents=True, exist_ok=True)
@@ -348,6 +357,10 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           "Spearman rank correlation, predicted vs measured: " + ", ".join(
               f"{k} {med[k]:.2f} (per repeat {[round(r['spearman'][k], 2) for r in repeats]})"
               for k in keys), "",
+          "Stability of the measured order itself (Spearman between the repeats' measured "
+          "times, every pair): " + ", ".join(
+              f"{m} {[round(x, 2) for x in _measured_agreement(repeats, m)]}"
+              for m in keys if m != "pooled") + ".", "",
           "Predicted: repeat 0's calibration (mean of the microbenchmarks before and after the plan "
           "runs). `searched` is the plan the search picks for each repeat's calibration before "
           "its runs (it may differ between repeats; the row shows repeat 0's).", "",
