@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hetrain.context import ProgressFn
 from hetrain.engine import codec
 from hetrain.engine.checkpoint import (
     ServerState,
@@ -60,7 +61,6 @@ from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
-from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Outbox, set_message_limit
 from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe

@@ -22,34 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from hetrain.cluster import Cluster
+from hetrain.context import RunContext
 from hetrain.plan.noise import GradProbe
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What a strategy may know about the run when it is set up."""
-
-    cluster: Cluster
-    """The planner's view of the devices and links (preset, file or profile)."""
-    flops_per_sample: float
-    """Forward+backward FLOPs of one training sample of the workload."""
-    model_bytes: int
-    """Bytes of the model's parameters (fp32), i.e. one full push or pull."""
-    sample_bytes: int
-    """Bytes of one training sample, for strategies that ship data."""
-    train_samples: int
-    """Size of the training set (an epoch)."""
-    batch_size: int
-    """The configured per-worker reference batch size (DDP's per-rank batch)."""
-    lr: float
-    """The configured base learning rate at `batch_size`."""
-    optimizer: str = "sgd"
-    """The workers' optimizer (sgd | adam | adamw): how a learning rate follows the batch."""
-
-    @property
-    def n_workers(self) -> int:
-        return self.cluster.n
 
 
 @dataclass(frozen=True)
