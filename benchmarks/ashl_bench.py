@@ -77,7 +77,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                     "train": {"compression": "topk", "compression_options": {"ratio": 0.1}}},
     "ashl+qsgd": {"strategy": {"name": "ashl"}, "train": {"compression": "qsgd"}},
     # the reference a user should beat: the cluster's fastest device training alone (plain
-    # SGD, the same batch); run_one makes it with hetrain.cli.run.fastest_alone
+    # SGD, the same batch); run_one makes it with hetrain.baselines.fastest_alone
     "fastest-alone": {"strategy": {"name": "ddp"}, FASTEST_ALONE: True},
     # where latency makes ASHL's rounds long (geo-16: a dozen pushes per worker a run), 1% of
     # an update per push cannot carry the progress: commit more often, with and without top-k
@@ -107,7 +107,7 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     """One simulated run -> the figures the tables need (runs in a pool worker)."""
     import torch
 
-    from hetrain.cli.run import fastest_alone
+    from hetrain.baselines import fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 

@@ -36,7 +36,7 @@ and learning rate): the baseline a heterogeneous cluster has to beat to be worth
 def one_run(job: tuple[str, str, dict[str, Any], int, float, float]) -> dict[str, Any]:
     import torch
 
-    from hetrain.cli.run import FASTEST_ALONE, fastest_alone
+    from hetrain.baselines import FASTEST_ALONE, fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 

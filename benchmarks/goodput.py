@@ -82,7 +82,7 @@ def cluster_spec(name: str) -> str | dict[str, Any]:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from hetrain.cli.run import fastest_alone
+    from hetrain.baselines import fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
