@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hetrain.ddp import HeteroBatchSampler, choose_global_batch, ddp_noise_probe
+from hetrain.engine.wire import free_port
 from hetrain.errors import ConfigError
 from hetrain.plan.goodput import batch_grid
 from hetrain.plan.noise import GradientNoiseScale, GradProbe
@@ -198,18 +199,10 @@ def test_choose_batch_monotone_in_noise(speeds, noise, factor, overhead, exponen
 
 
 # ---- real gloo ranks ----------------------------------------------------------------------
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(fn, world, args, deadline_s=60):
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False,
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
