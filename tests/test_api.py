@@ -273,6 +273,7 @@ def test_bad_inputs_raise_config_errors(kwargs, message):
         train(**args)
 
 
+@pytest.mark.multiproc
 def test_public_names_are_lazy():
     assert hetrain.train is train and hetrain.Cluster is hetrain.cluster.Cluster
     assert hetrain.strategies.register is register

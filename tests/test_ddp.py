@@ -165,6 +165,7 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_three_ranks_step_equivalence_and_mismatch_error(tmp_path):
     import torch.multiprocessing as mp
 
@@ -203,6 +204,7 @@ def test_three_ranks_step_equivalence_and_mismatch_error(tmp_path):
 
 
 # ---- the example under torchrun -------------------------------------------------------------
+@pytest.mark.multiproc
 def test_example_06_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": "lo",

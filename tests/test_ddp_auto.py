@@ -291,6 +291,7 @@ def _estimator_worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_noise_scale_from_hook_matches_truth(tmp_path):
     """Least squares at a fixed point: tr(Sigma) and |G|^2 by brute force over all 20,000
     per-sample gradients; the hook-fed estimate over 400 steps of batches (4, 10, 30) is within
@@ -377,6 +378,7 @@ def _scale(G, noise):
     return min(CAP, G / E2E_BATCH * (noise + E2E_BATCH) / (noise + G))
 
 
+@pytest.mark.multiproc
 def test_auto_batch_end_to_end(tmp_path):
     _run_ranks(_e2e_worker, 3, (str(tmp_path),), deadline_s=90)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
