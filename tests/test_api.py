@@ -178,7 +178,7 @@ class EveryOtherAveraging(BarrierMixin, Strategy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
         self.rounds = 0
 
     def next_task(self, worker: int) -> WorkTask:
@@ -186,7 +186,7 @@ class EveryOtherAveraging(BarrierMixin, Strategy):
         return WorkTask(batch_size=self.context.batch_size, local_steps=steps)
 
     def on_push(self, push: Push) -> Decision:
-        d = self._barrier_push(push)
+        d = self.barrier_push(push)
         self.rounds += bool(d.apply)
         return d
 

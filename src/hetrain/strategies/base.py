@@ -158,11 +158,13 @@ class Strategy(ABC):
 class BarrierMixin:
     """Collects pushes until every worker has pushed, then applies them all and releases all."""
 
-    def _barrier_init(self, n: int) -> None:
+    def barrier_init(self, n: int) -> None:
+        """Call from setup(): a barrier of `n` workers (subclasses call these two; public)."""
         self._pending: dict[int, Push] = {}
         self._n = n
 
-    def _barrier_push(self, push: Push, weight_by_samples: bool = True) -> Decision:
+    def barrier_push(self, push: Push, weight_by_samples: bool = True) -> Decision:
+        """Call from on_push(): nothing until all `n` pushed, then apply all, release all."""
         self._pending[push.worker] = push
         if len(self._pending) < self._n:
             return Decision()
@@ -172,3 +174,6 @@ class BarrierMixin:
             for w, p in sorted(self._pending.items()))
         self._pending = {}
         return Decision(apply=apply, release=tuple(w for w, _ in apply))
+
+    _barrier_init = barrier_init  # the names before they were public: strategies written
+    _barrier_push = barrier_push  # against them (examples/05 did) keep working
