@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
+
+from common import spread
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mnist1d-cnn": {"workload": {"model": "cnn", "dataset": "mnist1d"},
@@ -165,11 +166,15 @@ def add_ttas(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summ(values: list[float | None]) -> dict[str, Any]:
-    got = [v for v in values if v is not None]
-    if len(got) < len(values) or not got:
-        return {"median": None, "min": min(got) if got else None,
-                "max": max(got) if got else None, "missing": len(values) - len(got)}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "missing": 0}
+    """No median unless every seed reached the target (this file's published policy, see
+    benchmarks/common.py): the others' range and the miss count instead."""
+    missing = sum(v is None for v in values)
+    s = spread(values)
+    if missing or s is None:
+        return {"median": None, "min": s[1] if s else None, "max": s[2] if s else None,
+                "missing": missing}
+    median, lo, hi = s
+    return {"median": median, "min": lo, "max": hi, "missing": 0}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
