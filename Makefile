@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetrain-installed
 
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo test test-fast test-slow lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,12 @@ demo: setup
 test: setup
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest
+
+# The unit tests without the ones that start processes (subprocesses, gloo ranks, the dist
+# engine): a quick check while editing; `make test` stays the CI command.
+test-fast: setup
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m pytest -m 'not slow and not multiproc'
 
 test-slow: setup
 	$(PY) -m pytest -m slow

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
+
+from common import spread
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mnist1d-cnn": {"workload": {"model": "cnn", "dataset": "mnist1d"},
@@ -77,7 +78,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                     "train": {"compression": "topk", "compression_options": {"ratio": 0.1}}},
     "ashl+qsgd": {"strategy": {"name": "ashl"}, "train": {"compression": "qsgd"}},
     # the reference a user should beat: the cluster's fastest device training alone (plain
-    # SGD, the same batch); run_one makes it with hetrain.cli.run.fastest_alone
+    # SGD, the same batch); run_one makes it with hetrain.baselines.fastest_alone
     "fastest-alone": {"strategy": {"name": "ddp"}, FASTEST_ALONE: True},
     # where latency makes ASHL's rounds long (geo-16: a dozen pushes per worker a run), 1% of
     # an update per push cannot carry the progress: commit more often, with and without top-k
@@ -107,7 +108,7 @@ def run_one(job: tuple[str, str, str, int, dict[str, Any]]) -> dict[str, Any]:
     """One simulated run -> the figures the tables need (runs in a pool worker)."""
     import torch
 
-    from hetrain.cli.run import fastest_alone
+    from hetrain.baselines import fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
@@ -165,11 +166,15 @@ def add_ttas(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _summ(values: list[float | None]) -> dict[str, Any]:
-    got = [v for v in values if v is not None]
-    if len(got) < len(values) or not got:
-        return {"median": None, "min": min(got) if got else None,
-                "max": max(got) if got else None, "missing": len(values) - len(got)}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got), "missing": 0}
+    """No median unless every seed reached the target (this file's published policy, see
+    benchmarks/common.py): the others' range and the miss count instead."""
+    missing = sum(v is None for v in values)
+    s = spread(values)
+    if missing or s is None:
+        return {"median": None, "min": s[1] if s else None, "max": s[2] if s else None,
+                "missing": missing}
+    median, lo, hi = s
+    return {"median": median, "min": lo, "max": hi, "missing": 0}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -209,14 +209,6 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, wl,
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(args: argparse.Namespace, raw: dict[str, Any], wall_s: float) -> dict[str, Any]:
     overhead = args.overhead_ms * 1e-3
     per_seed = []
@@ -361,6 +353,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
+    from hetrain.engine.wire import free_port
     from hetrain.workloads import get_workload
 
     wl = get_workload("cnn", "mnist1d") if args.workload == "cnn" else get_workload(

@@ -43,6 +43,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from common import spread
+
 OUT = Path(__file__).parent / "results"
 EVAL_EVERY_S = 0.5
 LONE_BATCHES = (8, 16, 32, 64)
@@ -82,7 +84,7 @@ def cluster_spec(name: str) -> str | dict[str, Any]:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from hetrain.cli.run import fastest_alone
+    from hetrain.baselines import fastest_alone
     from hetrain.config import config_from_dict
     from hetrain.runner import run_config
 
@@ -188,10 +190,9 @@ def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], clu
 
 
 def summ(xs: list[float]) -> dict[str, Any]:
-    finite = [x for x in xs if x is not None]
-    return {"median": statistics.median(finite) if finite else None,
-            "min": min(finite) if finite else None, "max": max(finite) if finite else None,
-            "values": xs}
+    s = spread(xs)  # misses are inf here (the policy in the docstring and benchmarks/common)
+    return {"median": s[0] if s else None, "min": s[1] if s else None,
+            "max": s[2] if s else None, "values": xs}
 
 
 def fmt(s: dict[str, Any], digits: int = 2) -> str:

@@ -37,7 +37,7 @@ import real_deepspeed
 import real_torchft
 from real_peers import LONE, PeerRun, run_peer
 
-from hetrain.cli.run import fastest_alone
+from hetrain.baselines import fastest_alone
 from hetrain.cluster import Cluster, preset
 from hetrain.config import RunConfig, config_from_dict
 from hetrain.engine.setup import prepare

@@ -54,7 +54,7 @@ class PostLocalSGD(BarrierMixin, Strategy):
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
         self.rounds = 0
 
     def next_task(self, worker: int) -> WorkTask:
@@ -62,7 +62,7 @@ class PostLocalSGD(BarrierMixin, Strategy):
         return WorkTask(batch_size=self.context.batch_size, local_steps=steps)
 
     def on_push(self, push: Push) -> Decision:
-        decision = self._barrier_push(push, weight_by_samples=True)
+        decision = self.barrier_push(push, weight_by_samples=True)
         if decision.apply:  # a full round arrived: average it and release everyone
             self.rounds += 1
         return decision

@@ -8,6 +8,14 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every `dist` test starts processes: mark it `multiproc` too, so that `make test-fast`
+    (-m 'not slow and not multiproc') needs one marker and no test file lists both."""
+    for item in items:
+        if item.get_closest_marker("dist") is not None:
+            item.add_marker(pytest.mark.multiproc)
+
+
 @pytest.fixture(scope="session")
 def digits_mlp():
     """A small, fast classification workload (sklearn digits, MLP)."""

@@ -178,7 +178,7 @@ class EveryOtherAveraging(BarrierMixin, Strategy):
 
     def setup(self, ctx):
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
         self.rounds = 0
 
     def next_task(self, worker: int) -> WorkTask:
@@ -186,7 +186,7 @@ class EveryOtherAveraging(BarrierMixin, Strategy):
         return WorkTask(batch_size=self.context.batch_size, local_steps=steps)
 
     def on_push(self, push: Push) -> Decision:
-        d = self._barrier_push(push)
+        d = self.barrier_push(push)
         self.rounds += bool(d.apply)
         return d
 
@@ -273,6 +273,7 @@ def test_bad_inputs_raise_config_errors(kwargs, message):
         train(**args)
 
 
+@pytest.mark.multiproc
 def test_public_names_are_lazy():
     assert hetrain.train is train and hetrain.Cluster is hetrain.cluster.Cluster
     assert hetrain.strategies.register is register

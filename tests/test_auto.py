@@ -168,6 +168,7 @@ def test_a_far_cluster_trains_on_the_fastest_device_alone(digits_mlp) -> None:
     assert pushes[0] >= 4 and max(pushes[1:]) <= 1
 
 
+@pytest.mark.multiproc
 def test_a_real_run_is_told_where_rank_0_should_run(digits_mlp, caplog) -> None:
     from dataclasses import replace
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TINY = """
 name = "tiny"
 cluster = "hetero-4"
@@ -29,6 +31,7 @@ def hetrain(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=240)
 
 
+@pytest.mark.multiproc
 def test_run_tiny_config_then_report(tmp_path: Path) -> None:
     (tmp_path / "tiny.toml").write_text(TINY)
     r = hetrain("run", "tiny.toml", "--compare", "ddp", "--json", cwd=tmp_path)
@@ -45,6 +48,7 @@ def test_run_tiny_config_then_report(tmp_path: Path) -> None:
     assert (tmp_path / "rep" / "utilisation.png").stat().st_size > 1000
 
 
+@pytest.mark.multiproc
 def test_compare_with_the_fastest_device_alone(tmp_path: Path) -> None:
     (tmp_path / "tiny.toml").write_text(TINY)
     r = hetrain("run", "tiny.toml", "--compare", "fastest-alone", "--json", "--no-plot",
@@ -57,6 +61,7 @@ def test_compare_with_the_fastest_device_alone(tmp_path: Path) -> None:
     assert alone["epochs"] >= 1.0 and cluster_run["epochs"] >= 1.0  # the same stopping rule
 
 
+@pytest.mark.multiproc
 def test_progress_is_shown_unless_quiet(tmp_path: Path) -> None:
     (tmp_path / "tiny.toml").write_text(TINY)
     loud = hetrain("run", "tiny.toml", "--no-plot", "--set", "stop.max_epochs=0.3", cwd=tmp_path)
@@ -67,6 +72,7 @@ def test_progress_is_shown_unless_quiet(tmp_path: Path) -> None:
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
 
 
+@pytest.mark.multiproc
 def test_user_errors_exit_2_without_traceback(tmp_path: Path) -> None:
     (tmp_path / "bad.toml").write_text(TINY.replace('model = "mlp"', 'model = "transformerXL"'))
     cases = [("run", "missing.toml"), ("run", "bad.toml"), ("report", "nowhere"),
@@ -109,6 +115,7 @@ batch_size = 16
 """
 
 
+@pytest.mark.multiproc
 def test_plan_goodput_explains_the_auto_plan(tmp_path: Path) -> None:
     (tmp_path / "far.toml").write_text(FAR)
     r = hetrain("plan", "--goodput", "far.toml", cwd=tmp_path)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetrain.ddp import HeteroBatchSampler, even_split, plan_from_measurements
+from hetrain.engine.wire import free_port
 from hetrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,18 +165,11 @@ def _worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.multiproc
 def test_three_ranks_step_equivalence_and_mismatch_error(tmp_path):
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(3, _free_port(), str(tmp_path)), nprocs=3,
+    ctx = mp.start_processes(_worker, args=(3, free_port(), str(tmp_path)), nprocs=3,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 90
     try:
@@ -210,6 +204,7 @@ def test_three_ranks_step_equivalence_and_mismatch_error(tmp_path):
 
 
 # ---- the example under torchrun -------------------------------------------------------------
+@pytest.mark.multiproc
 def test_example_06_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "GLOO_SOCKET_IFNAME": "lo",

@@ -19,6 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hetrain.ddp import HeteroBatchSampler, choose_global_batch, ddp_noise_probe
+from hetrain.engine.wire import free_port
 from hetrain.errors import ConfigError
 from hetrain.plan.goodput import batch_grid
 from hetrain.plan.noise import GradientNoiseScale, GradProbe
@@ -198,18 +199,10 @@ def test_choose_batch_monotone_in_noise(speeds, noise, factor, overhead, exponen
 
 
 # ---- real gloo ranks ----------------------------------------------------------------------
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(fn, world, args, deadline_s=60):
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False,
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
@@ -298,6 +291,7 @@ def _estimator_worker(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_noise_scale_from_hook_matches_truth(tmp_path):
     """Least squares at a fixed point: tr(Sigma) and |G|^2 by brute force over all 20,000
     per-sample gradients; the hook-fed estimate over 400 steps of batches (4, 10, 30) is within
@@ -384,6 +378,7 @@ def _scale(G, noise):
     return min(CAP, G / E2E_BATCH * (noise + E2E_BATCH) / (noise + G))
 
 
+@pytest.mark.multiproc
 def test_auto_batch_end_to_end(tmp_path):
     _run_ranks(_e2e_worker, 3, (str(tmp_path),), deadline_s=90)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]

@@ -59,12 +59,22 @@ def make_cfg(strategy: str = "ddp", epochs: float = 0.1, **dist: Any) -> RunConf
 
 DEFAULT = ("ddp", "local_sgd", "cadp", "ashl")
 """Strategies run by default (~10-20 s each here); every other registered one is `slow`."""
+LEARNS_BY_HALF_EPOCH = ("cadp", "ashl")
+"""PS strategies checked to beat chance clearly after 0.5 epochs (see below)."""
 
 
 @pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
                                   for n in sorted(REGISTRY)])
 def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small) -> None:
-    cfg = make_cfg(name)
+    # At 0.1 epochs every PS strategy's accuracy is still chance (0.09-0.19 over seeds 0-2),
+    # so no bar above chance can be checked there. cadp and ashl train 0.5 epochs and reach
+    # 0.185-0.23 (seeds 0-2), while chance on the 800 test samples is 0.10 +- 0.011: the bar
+    # 0.15 is 4.7 sd above chance and 0.035 below the lowest seen. asp and ssp do not clear it
+    # reliably at 0.5 epochs (0.105 and 0.14 on seed 0); adsp and auto did (0.19-0.32) but on
+    # seeds 0-1 only. Those four keep 0.1 epochs and > 0.1, which says no more than that
+    # they ran: a known gap.
+    learns = name in LEARNS_BY_HALF_EPOCH
+    cfg = make_cfg(name, epochs=0.5 if learns else 0.1)
     r = run_config(cfg, runs_root=tmp_path, workload=mnist1d_cnn_small)
     sim = run_config(cfg.replace(engine="sim"), runs_root=None,
                      workload=mnist1d_cnn_small).summary
@@ -84,7 +94,7 @@ def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small)
         assert s["final_accuracy"] == pytest.approx(sim["final_accuracy"], abs=2e-3)
     else:  # timing decides the order of pushes, so only the amount of work is comparable
         assert s["updates"] >= max(1, sim["updates"] // 2)
-        assert s["final_accuracy"] > 0.1
+        assert s["final_accuracy"] > (0.15 if learns else 0.1), s["final_accuracy"]
 
 
 def test_ps_strategy_emulates_speeds(mnist1d_cnn_small) -> None:

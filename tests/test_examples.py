@@ -44,6 +44,7 @@ def assert_tidy(out: str) -> None:
         assert not re.search(r"\d\.\d{5,}", line), f"unrounded float printed: {line!r}"
 
 
+@pytest.mark.multiproc
 def test_01_single_gpu_to_hetero():
     out = run([str(EXAMPLES / "01_single_gpu_to_hetero.py"), "--smoke"])
     before = re.search(r"before \(one device, \d+ epochs\): test accuracy (\d\.\d+)", out)
@@ -54,6 +55,7 @@ def test_01_single_gpu_to_hetero():
     assert_tidy(out)
 
 
+@pytest.mark.multiproc
 def test_02_imagefolder_resnet_on_fake_data(tmp_path):
     out = run([str(EXAMPLES / "02_imagefolder_resnet.py"), "--make-fake-data", "--data",
                str(tmp_path / "tree"), "--smoke", "--runs-dir", str(tmp_path / "runs")])
@@ -68,6 +70,7 @@ def test_02_imagefolder_resnet_on_fake_data(tmp_path):
     assert_tidy(out)
 
 
+@pytest.mark.multiproc
 def test_03_tiny_gpt():
     out = run([str(EXAMPLES / "03_tiny_gpt.py"), "--smoke"])
     vocab = re.search(r"vocabulary (\d+)", out)
@@ -79,6 +82,7 @@ def test_03_tiny_gpt():
     assert_tidy(out)
 
 
+@pytest.mark.multiproc
 def test_05_custom_strategy():
     out = run([str(EXAMPLES / "05_custom_strategy.py"), "--smoke"])
     assert re.search(r"post_local_sgd +accuracy .* \{'rounds': \d+\}", out)
@@ -102,6 +106,7 @@ def test_04_two_site_cluster_file():
     assert bound == "0.44" and f"= {bound}" in (TWO_SITE / "README.md").read_text()
 
 
+@pytest.mark.multiproc
 def test_04_two_site_run_on_the_simulator(tmp_path):
     out = run(["-m", "hetrain", "run", str(TWO_SITE / "run.toml"), *SMOKE_SET, "--runs-dir",
                str(tmp_path), "--no-plot", "--json"])
@@ -121,6 +126,7 @@ def test_04_readme_names_only_commands_that_exist():
     assert used and used <= commands, f"README uses {sorted(used - commands)}"
 
 
+@pytest.mark.multiproc
 def test_04_plan_and_launch_commands_of_the_readme():
     out = run(["-m", "hetrain", "plan", "--cluster", str(TWO_SITE / "cluster.toml"), "--model",
                "gpt", "--batch", "256", "--model-option", "n_layer=2", "--model-option",

@@ -98,6 +98,7 @@ def test_executor_refuses_what_it_cannot_run() -> None:
         resolve_signatures(g, bad)
 
 
+@pytest.mark.multiproc
 def test_launcher_reports_a_failing_worker() -> None:
     from hetrain.parallel.launch import run_local
 

@@ -199,6 +199,7 @@ def test_bad_scheduler_is_a_one_line_config_error(table: dict, match: str) -> No
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.multiproc
 def test_cli_refuses_a_bad_scheduler_with_exit_2(tmp_path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text('[optimizer]\nscheduler = "LambdaLR"\n')

@@ -41,13 +41,13 @@ class SyncPS(BarrierMixin, Strategy):
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
 
     def next_task(self, worker: int) -> WorkTask:
         return WorkTask(batch_size=8 * (worker + 1), local_steps=3)
 
     def on_push(self, push: Push) -> Decision:
-        return self._barrier_push(push)
+        return self.barrier_push(push)
 
 
 def test_same_seed_same_run_different_seed_different_run(digits_mlp) -> None:

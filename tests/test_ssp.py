@@ -1,34 +1,21 @@
-"""SSP: the staleness bound holds on every step of a simulated trace; converges on digits."""
+"""SSP: the staleness bound holds on every step of a simulated trace (convergence on digits:
+tests/test_converges.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from hetrain.cluster import preset
+from helpers import run_context
 from hetrain.config import config_from_dict
 from hetrain.errors import ConfigError
 from hetrain.runner import run_config
-from hetrain.strategies import Decision, Push, RunContext, make_strategy
+from hetrain.strategies import Decision, Push, make_strategy
 from hetrain.strategies.ssp import SSP, ClockGate
-
-
-def ctx() -> RunContext:
-    return RunContext(cluster=preset("hetero-4"), flops_per_sample=1e6, model_bytes=10_000,
-                      sample_bytes=64, train_samples=1000, batch_size=16, lr=0.05)
 
 
 def push(worker: int, base: int) -> Push:
     return Push(worker=worker, base_version=base, samples=16, steps=1, loss=1.0,
                 compute_s=0.01, comm_s=0.001, arrival_s=0.0)
-
-
-def run_digits(name: str, **options):
-    cfg = config_from_dict({"name": f"t-{name}", "cluster": "hetero-4",
-                            "workload": {"model": "mlp", "dataset": "digits"},
-                            "strategy": {"name": name, **options},
-                            "train": {"batch_size": 16, "eval_every_epochs": 1.0},
-                            "stop": {"max_epochs": 4.0}})
-    return run_config(cfg, runs_root=None)
 
 
 def test_clock_gate_holds_the_runaway_and_frees_it():
@@ -78,7 +65,7 @@ def test_the_bound_is_never_exceeded_on_a_trace(bound):
 
 def test_lost_worker_releases_the_held():
     s = make_strategy("ssp", staleness=0)
-    s.setup(ctx())
+    s.setup(run_context())
     assert s.on_push(push(3, 0)).release == ()
     d = s.on_worker_lost(0)
     assert d is not None and d.release == ()
@@ -90,9 +77,3 @@ def test_lost_worker_releases_the_held():
 def test_bad_staleness_is_a_config_error():
     with pytest.raises(ConfigError, match="staleness"):
         make_strategy("ssp", staleness=-1)
-
-
-def test_ssp_converges_on_digits():
-    r = run_digits("ssp", staleness=2)
-    assert r.final_accuracy > 0.85
-    assert r.summary["strategy_stats"]["max_clock_gap"] <= 3

@@ -50,9 +50,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
+from hetrain.context import ProgressFn
 from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint
 from hetrain.engine.setup import prepare, run_dir_for
-from hetrain.engine.sim import ProgressFn, Simulator
+from hetrain.engine.sim import Simulator
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
 from hetrain.runner import run_config

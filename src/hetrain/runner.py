@@ -8,8 +8,9 @@ from pathlib import Path
 
 from hetrain.cluster import Cluster
 from hetrain.config import RunConfig
+from hetrain.context import ProgressFn
 from hetrain.engine.setup import prepare
-from hetrain.engine.sim import ProgressFn, simulate
+from hetrain.engine.sim import simulate
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetrain.engine.sim import ProgressFn
+from hetrain.context import ProgressFn
 
 
 class Output:

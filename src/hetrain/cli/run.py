@@ -13,8 +13,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hetrain.baselines import FASTEST_ALONE, fastest_alone
 from hetrain.cli.output import Output
-from hetrain.cluster import load_cluster
 from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
@@ -26,10 +26,6 @@ from hetrain.validate import check_runs_dir, preflight
 
 DEMO_STRATEGIES = ("auto", "cadp", "ashl", "ddp")
 """Strategies the demo compares side by side (those registered in this build)."""
-FASTEST_ALONE = "fastest-alone"
-"""`--compare` name of the reference run: the cluster's fastest device training by itself
-(plain DDP on one device, so no communication). A cluster is worth its slower devices only
-where it beats this; the demo always shows it."""
 
 
 def demo_config() -> RunConfig:
@@ -108,13 +104,6 @@ def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
         out.append(dataclasses.replace(cfg, name=f"{cfg.name}-{name}",
                                        strategy=StrategyConfig(name, {})))
     return out
-
-
-def fastest_alone(cfg: RunConfig) -> RunConfig:
-    """`cfg` on the cluster's fastest device alone (ddp on one device: no communication)."""
-    cluster = load_cluster(cfg.cluster).fastest_alone()
-    return dataclasses.replace(cfg, name=f"{cfg.name}-{FASTEST_ALONE}", cluster=cluster.to_dict(),
-                               strategy=StrategyConfig("ddp", {}))
 
 
 def main(args: argparse.Namespace) -> int:

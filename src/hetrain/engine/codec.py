@@ -55,7 +55,7 @@ BIT_GENERATORS = frozenset({"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"})
 ALLOWED_CLASSES = (
     "hetrain.cluster.Cluster", "hetrain.cluster.Device", "hetrain.cluster.Link",
     "hetrain.cluster.Site",
-    "hetrain.compress.base.Compressed",
+    "hetrain.compress.base.Compressed", "hetrain.context.RunContext",
     "hetrain.engine.core.DataOwner", "hetrain.engine.core.TaskResult",
     "hetrain.plan.allocate.Allocation", "hetrain.plan.allocate.RoundWork",
     "hetrain.plan.goodput.Costs", "hetrain.plan.goodput.GoodputPlan",
@@ -66,7 +66,8 @@ ALLOWED_CLASSES = (
     "hetrain.profile.profile.Profile", "hetrain.profile.profile.WorkerProfile",
     "hetrain.report.metrics.WorkerTimes",
     "hetrain.strategies.ashl.PlateauSwitch", "hetrain.strategies.ssp.ClockGate",
-    "hetrain.strategies.base.RunContext", "hetrain.strategies.base.WorkTask",
+    "hetrain.strategies.base.RunContext",  # its name in older checkpoints
+    "hetrain.strategies.base.WorkTask",
     "hetrain.strategies.base.Push", "hetrain.strategies.base.Decision",
     "hetrain.strategies.base.OuterOptimizer",
 )

@@ -57,6 +57,7 @@ import torch.multiprocessing as mp
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
 from hetrain.config import RunConfig
+from hetrain.context import ProgressFn
 from hetrain.engine import auth, codec, devices, nodes
 from hetrain.engine.checkpoint import check_ps_shards, checkpoint_path, load_checkpoint
 from hetrain.engine.dist_server import Coordinator, WorkerLostError
@@ -66,7 +67,6 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.join import JoinDesk
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
-from hetrain.engine.sim import ProgressFn
 from hetrain.errors import ConfigError, HetrainError, ReportedElsewhereError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from hetrain.context import ProgressFn
 from hetrain.engine import codec
 from hetrain.engine.checkpoint import (
     ServerState,
@@ -64,7 +65,6 @@ from hetrain.engine.dist_shard import partition
 from hetrain.engine.join import POLL_S, Admitted, JoinDesk
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
-from hetrain.engine.sim import ProgressFn
 from hetrain.engine.wire import Inbox, Link, Outbox, send_obj, set_message_limit
 from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe

@@ -25,7 +25,7 @@ import dataclasses
 import heapq
 import signal
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from hetrain.compress import Compressed, ErrorFeedback
+from hetrain.context import ProgressFn
 from hetrain.engine import codec
 from hetrain.engine.checkpoint import (
     ServerState,
@@ -60,8 +61,6 @@ from hetrain.strategies import Decision, Push, WorkTask
 from hetrain.workloads import BatchLoader, evaluate_workload
 
 PUSH_START, PUSH_ARRIVE, COLLECTIVE_DONE = 0, 1, 2
-ProgressFn = Callable[[float, dict[str, Any] | None], None]
-"""Called with the fraction done (0..1) and the newest evaluation row, if any."""
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,11 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from hetrain.engine.wire import free_port
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:

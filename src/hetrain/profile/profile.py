@@ -22,7 +22,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,10 +32,8 @@ else:  # pragma: no cover
 import tomli_w
 
 from hetrain.cluster import Cluster
+from hetrain.context import RunContext
 from hetrain.errors import ConfigError
-
-if TYPE_CHECKING:  # strategies import this package; keep the import one-way at run time
-    from hetrain.strategies.base import RunContext
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from hetrain.errors import ConfigError
 from hetrain.profile import FractionalSteps, OnlineCosts, Profile, commit_round_cap_s
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.options import is_int_at_least, is_number_at_least
 from hetrain.strategies.registry import register
 
 
@@ -75,8 +76,7 @@ class ADSP(Strategy):
     def __post_init__(self) -> None:
         if self.check_period_s < 0:
             raise ConfigError("strategy adsp: check_period_s must be >= 0 (0: automatic)")
-        if isinstance(self.commits_init, bool) or not isinstance(self.commits_init, int) \
-                or self.commits_init < 0:
+        if not is_int_at_least(self.commits_init, 0):
             raise ConfigError("strategy adsp: commits_init must be an integer >= 0 (0: auto)")
         if not 0 <= self.momentum < 1:
             raise ConfigError("strategy adsp: momentum must be in [0, 1)")
@@ -85,9 +85,7 @@ class ADSP(Strategy):
         if self.weighting not in ("uniform", "samples"):
             raise ConfigError(f"strategy adsp: weighting = {self.weighting!r}; choose one of: "
                               "uniform, samples")
-        if isinstance(self.min_commits_per_epoch, bool) or not isinstance(
-                self.min_commits_per_epoch, (int, float)) \
-                or not 0 <= self.min_commits_per_epoch < math.inf:
+        if not is_number_at_least(self.min_commits_per_epoch, 0):
             raise ConfigError(f"strategy adsp: min_commits_per_epoch must be a number >= 0 "
                               f"(0: no cap), got {self.min_commits_per_epoch!r}")
 

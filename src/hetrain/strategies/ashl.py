@@ -49,6 +49,7 @@ from hetrain.profile import (
     plan_for_fastest,
 )
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.options import is_int_at_least, is_number_at_least
 from hetrain.strategies.registry import register
 from hetrain.strategies.ssp import ClockGate
 
@@ -126,8 +127,7 @@ class ASHL(Strategy):
     this many times per epoch (0: no cap)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.switch_patience, bool) or not isinstance(self.switch_patience, int) \
-                or self.switch_patience < 1:
+        if not is_int_at_least(self.switch_patience, 1):
             raise ConfigError(f"strategy ashl: switch_patience must be an integer >= 1, "
                               f"got {self.switch_patience!r}")
         for key in ("ahl_comm_fraction", "shl_comm_fraction"):
@@ -136,7 +136,7 @@ class ASHL(Strategy):
         for key in ("ahl_fastest_steps", "shl_fastest_steps", "ahl_gap", "shl_gap",
                     "switch_window"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if not is_int_at_least(v, 0):
                 raise ConfigError(f"strategy ashl: {key} must be an integer >= 0, got {v!r}")
         if not 0 <= self.switch_threshold < 1:
             raise ConfigError("strategy ashl: switch_threshold must be in [0, 1)")
@@ -145,9 +145,7 @@ class ASHL(Strategy):
                               "uniform, samples")
         if self.commit_weight <= 0:
             raise ConfigError("strategy ashl: commit_weight must be > 0")
-        if isinstance(self.min_commits_per_epoch, bool) or not isinstance(
-                self.min_commits_per_epoch, (int, float)) \
-                or not 0 <= self.min_commits_per_epoch < math.inf:
+        if not is_number_at_least(self.min_commits_per_epoch, 0):
             raise ConfigError(f"strategy ashl: min_commits_per_epoch must be a number >= 0 "
                               f"(0: no cap), got {self.min_commits_per_epoch!r}")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hetrain.errors import ConfigError
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.options import is_int_at_least
 from hetrain.strategies.registry import register
 
 
@@ -38,8 +39,7 @@ class ASP(Strategy):
     synchronous step at the configured learning rate)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) \
-                or self.local_steps < 1:
+        if not is_int_at_least(self.local_steps, 1):
             raise ConfigError(f"strategy {self.name}: local_steps must be an integer >= 1, "
                               f"got {self.local_steps!r}")
         if self.push_weight < 0:

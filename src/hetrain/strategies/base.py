@@ -22,34 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from hetrain.cluster import Cluster
+from hetrain.context import RunContext
 from hetrain.plan.noise import GradProbe
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """What a strategy may know about the run when it is set up."""
-
-    cluster: Cluster
-    """The planner's view of the devices and links (preset, file or profile)."""
-    flops_per_sample: float
-    """Forward+backward FLOPs of one training sample of the workload."""
-    model_bytes: int
-    """Bytes of the model's parameters (fp32), i.e. one full push or pull."""
-    sample_bytes: int
-    """Bytes of one training sample, for strategies that ship data."""
-    train_samples: int
-    """Size of the training set (an epoch)."""
-    batch_size: int
-    """The configured per-worker reference batch size (DDP's per-rank batch)."""
-    lr: float
-    """The configured base learning rate at `batch_size`."""
-    optimizer: str = "sgd"
-    """The workers' optimizer (sgd | adam | adamw): how a learning rate follows the batch."""
-
-    @property
-    def n_workers(self) -> int:
-        return self.cluster.n
 
 
 @dataclass(frozen=True)
@@ -190,11 +164,13 @@ class Strategy(ABC):
 class BarrierMixin:
     """Collects pushes until every worker has pushed, then applies them all and releases all."""
 
-    def _barrier_init(self, n: int) -> None:
+    def barrier_init(self, n: int) -> None:
+        """Call from setup(): a barrier of `n` workers (subclasses call these two; public)."""
         self._pending: dict[int, Push] = {}
         self._n = n
 
-    def _barrier_push(self, push: Push, weight_by_samples: bool = True) -> Decision:
+    def barrier_push(self, push: Push, weight_by_samples: bool = True) -> Decision:
+        """Call from on_push(): nothing until all `n` pushed, then apply all, release all."""
         self._pending[push.worker] = push
         if len(self._pending) < self._n:
             return Decision()
@@ -204,3 +180,6 @@ class BarrierMixin:
             for w, p in sorted(self._pending.items()))
         self._pending = {}
         return Decision(apply=apply, release=tuple(w for w, _ in apply))
+
+    _barrier_init = barrier_init  # the names before they were public: strategies written
+    _barrier_push = barrier_push  # against them (examples/05 did) keep working

@@ -23,10 +23,10 @@ class DDP(BarrierMixin, Strategy):
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
 
     def next_task(self, worker: int) -> WorkTask:
         return WorkTask(batch_size=self.context.batch_size, local_steps=1)
 
     def on_push(self, push: Push) -> Decision:
-        return self._barrier_push(push, weight_by_samples=False)
+        return self.barrier_push(push, weight_by_samples=False)

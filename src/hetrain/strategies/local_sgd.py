@@ -48,13 +48,13 @@ class LocalSGD(BarrierMixin, Strategy):
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
-        self._barrier_init(ctx.n_workers)
+        self.barrier_init(ctx.n_workers)
 
     def next_task(self, worker: int) -> WorkTask:
         return WorkTask(batch_size=self.context.batch_size, local_steps=self.local_steps)
 
     def on_push(self, push: Push) -> Decision:
-        return self._barrier_push(push, weight_by_samples=False)
+        return self.barrier_push(push, weight_by_samples=False)
 
     def outer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, nesterov=self.outer_momentum > 0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hetrain.errors import ConfigError
 from hetrain.strategies.asp import ASP
 from hetrain.strategies.base import Decision, Push, RunContext
+from hetrain.strategies.options import is_int_at_least
 from hetrain.strategies.registry import register
 
 
@@ -84,8 +85,7 @@ class SSP(ASP):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) \
-                or self.staleness < 0:
+        if not is_int_at_least(self.staleness, 0):
             raise ConfigError(f"strategy ssp: staleness must be an integer >= 0, "
                               f"got {self.staleness!r}")
 

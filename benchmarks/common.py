@@ -1,0 +1,27 @@
+"""What several benchmarks share: the median (min-max) summary of per-seed figures, and the
+stated policy for a seed that misses a target.
+
+Policy for new benchmarks (goodput.py's, stated in its docstring): a seed that misses a
+target within the run has an infinite time to target; it stays in the median and the miss
+count is shown, so a miss is never hidden by a median over the seeds that made it. Existing
+benchmarks whose published results files used another policy keep it, so that re-running or
+re-summarising them reproduces the published figures:
+  * ashl_bench.py: a median is given only when every seed reached the target; otherwise
+    "k seed(s) not reached" and the others' range;
+  * cadp_tta.py, real_hetero4.py: medians over the seeds that reached the target
+    (cadp_tta.py prints the reached count beside them);
+  * gpu_hetero.py: a miss counts as the time cap.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+
+def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:
+    """(median, min, max) of the values that are not None; None if there are none."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return None
+    return statistics.median(got), min(got), max(got)
