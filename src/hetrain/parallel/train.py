@@ -25,8 +25,8 @@ Faults, as in the strategies' runs (hetrain.engine.signals): SIGINT/SIGTERM reac
 or with every rank; the others ignore SIGINT and outlive SIGTERM by WORKER_GRACE_S), which
 records them and, at the end of the step in progress, broadcasts "checkpoint and stop": every
 rank agrees on that step, rank 0 writes it and raises RunInterrupted (exit 128 + signal). A
-rank that dies or freezes: during training every collective times out after
-dist.worker_timeout_s (rank 0's evaluations excepted) instead of the 30 min gloo default, and
+rank that dies or freezes: during training every collective and pipeline P2P receive times out
+after dist.worker_timeout_s (rank 0's evaluations excepted) instead of gloo's 30 min, and
 each rank bumps a heartbeat key in the rendezvous store; rank 0, on a failed collective, names
 the ranks whose heartbeat stopped and that did not report the failure themselves, and raises
 WorkerLostError (one line, exit 2) with the latest checkpoint. A plan's shards are spread over
