@@ -6,9 +6,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from hetrain.plan.cost import Plan
 from hetrain.plan.graph import gpt_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import template_plan
+from procs import HETRAIN, alive, cmdline, descendants, finish, wait_rows, write_trio
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -259,3 +262,158 @@ def test_one_stage_plan_on_a_subset_leaves_the_other_ranks_idle(tmp_path: Path) 
     assert len(plan.stages) == 1 and plan.stages[0].mesh.devices == (2,)
     got = rows(tmp_path / "runs" / "three")
     assert got[-1]["updates"] == 29 and got[-1]["test_loss"] < got[0]["test_loss"]
+
+
+# ---- faults: signals, a lost rank, refusals ---------------------------------------------------
+def _start(started, *args: str):
+    """`python -m hetrain ...` in a session of its own; the `started` fixture kills it and
+    everything it spawned, whatever happens."""
+    return started.start([*HETRAIN, *args], secret=False)
+
+
+def _ranks(proc) -> list[int]:
+    """The spawned rank processes (multiprocessing's spawn children, not its tracker)."""
+    return [p for p in descendants(proc.pid) if "spawn_main" in cmdline(p)]
+
+
+def _step_of(ckpt: Path) -> int:
+    return json.loads(torch.load(ckpt, weights_only=True)["meta"])["step"]
+
+
+def test_ctrl_c_checkpoints_the_last_step_and_resume_matches_the_uncut_run(
+        auto_run: Path, tmp_path: Path, started) -> None:
+    """A terminal's Ctrl-C reaches every process: rank 0 checkpoints the step every rank
+    finished and exits 130 in one line; --resume then gives the uncut run's rows and weights
+    (the checkpoint falls between two evaluations: the train loss so far is restored too)."""
+    cfg = write_config(tmp_path, "auto", epochs=3)
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot")
+    wait_rows(runs / "auto", 1, proc)  # the evaluation after step 15
+    ranks = _ranks(proc)
+    assert len(ranks) == 1
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, _, err = finish(proc, 60)
+    assert rc == 130, err
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT" in last and "checkpoint.pt" in last and "--resume" in last, err
+    assert "Traceback" not in err
+    step = _step_of(runs / "auto" / "checkpoint.pt")
+    assert 15 <= step < 43 and f"({step})" in last  # before the uncut run's end
+    assert not [p for p in ranks if alive(p)]
+    r = hetrain("run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot", "--resume",
+                "--set", "stop.max_epochs=0.3")
+    assert r.returncode == 0, r.stderr
+    got, ref = rows(runs / "auto"), rows(auto_run)
+    assert [x["updates"] for x in got] == [x["updates"] for x in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+    resumed = torch.load(runs / "auto" / "checkpoint.pt", weights_only=True)
+    uncut = torch.load(auto_run / "checkpoint.pt", weights_only=True)
+    for k, v in uncut["model"].items():
+        torch.testing.assert_close(resumed["model"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_killed_rank_stops_the_run_in_one_line_and_every_process_exits(tmp_path: Path,
+                                                                           started) -> None:
+    cfg = write_config(tmp_path, "lost", epochs=3)
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot",
+                  "--set", "dist.worker_timeout_s=5", "--set", "train.checkpoint_every=10")
+    wait_rows(runs / "lost", 1, proc)
+    ranks = _ranks(proc)
+    assert len(ranks) == 1
+    t = time.monotonic()
+    os.kill(ranks[0], signal.SIGKILL)
+    rc, _, err = finish(proc, 60)
+    took = time.monotonic() - t
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hetrain: error: run 'lost' stopped: rank 1 (device 'big') was lost")
+    step = _step_of(runs / "lost" / "checkpoint.pt")
+    assert step % 10 == 0 and f"checkpoint.pt (step {step};" in last and "--resume" in last
+    assert "Traceback" not in err
+    assert took < 20, took  # not the 60 s init_timeout_s
+    assert not [p for p in descendants(proc.pid) if alive(p)]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_within_the_worker_timeout(tmp_path: Path, started) -> None:
+    """SIGSTOP: the process lives but answers nothing; collectives time out after
+    dist.worker_timeout_s, rank 0 names it and the spawner kills it."""
+    cfg = write_config(tmp_path, "frozen", epochs=3)
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot",
+                  "--set", "dist.worker_timeout_s=4")
+    wait_rows(runs / "frozen", 1, proc)
+    ranks = _ranks(proc)
+    t = time.monotonic()
+    os.kill(ranks[0], signal.SIGSTOP)
+    rc, _, err = finish(proc, 60)
+    took = time.monotonic() - t
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "rank 1 (device 'big') was lost" in last and "no checkpoint was written yet" in last
+    assert 4 <= took < 20, took
+    assert not [p for p in ranks if alive(p)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_rank_checkpoints_and_exits_143(tmp_path: Path, started) -> None:
+    """A launcher forwarding SIGTERM to every process: the other ranks serve on (their grace
+    period) until rank 0 has checkpointed the step they agreed on."""
+    cfg = write_config(tmp_path, "term", epochs=3)
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot")
+    wait_rows(runs / "term", 1, proc)
+    ranks = _ranks(proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc, 60)
+    assert rc == 143, err
+    last = err.strip().splitlines()[-1]
+    step = _step_of(runs / "term" / "checkpoint.pt")
+    assert "stopped by SIGTERM" in last and f"({step})" in last and "Traceback" not in err
+    assert not [p for p in ranks if alive(p)]
+
+
+def test_compare_and_a_checkpoint_of_the_other_kind_are_refused(auto_run: Path, tmp_path: Path,
+                                                                capsys) -> None:
+    cfg = str(write_config(tmp_path, "trio"))
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--quiet", "--no-plot"]
+    assert "--compare" in _error(capsys, "run", cfg, *runs, "--compare", "asp,ddp")
+    trio = str(write_trio(tmp_path, epochs=0.05))
+    assert main(["run", trio, "--engine", "sim", *runs]) == 0  # a strategy run's checkpoint
+    capsys.readouterr()
+    err = _error(capsys, "run", cfg, *runs, "--resume")
+    assert "strategy run (strategy 'asp')" in err and "without [parallel]" in err
+    other = tmp_path / "other" / "trio"
+    other.mkdir(parents=True)
+    shutil.copy(auto_run / "checkpoint.pt", other / "checkpoint.pt")
+    for engine in ("sim", "dist"):
+        err = _error(capsys, "run", trio, "--engine", engine, "--runs-dir", str(other.parent),
+                     "--quiet", "--no-plot", "--resume")
+        assert "[parallel] run" in err and "no [parallel] table" in err, err
+
+
+@pytest.mark.slow
+def test_four_ranks_one_killed_only_it_is_named(tmp_path: Path, started) -> None:
+    """Four spawned ranks (a pipeline of two 2-device DTensor stages), rank 2 killed: the
+    survivors report the failure themselves, so only rank 2 is named; all four processes end."""
+    four = ", ".join(f'{{ name = "d{i}", flops = {1e9 * (1 + i // 2)}, memory_bytes = '
+                     f'{450000 if i < 2 else 2000000} }}' for i in range(4))
+    cfg = write_config(tmp_path, "four", epochs=3, devices=four)
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(cfg), "--runs-dir", str(runs), "--quiet", "--no-plot",
+                  "--set", "dist.worker_timeout_s=5")
+    wait_rows(runs / "four", 1, proc, timeout_s=200)
+    ranks = _ranks(proc)
+    assert len(ranks) == 3
+    t = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)  # spawned in rank order: rank 2
+    rc, _, err = finish(proc, 90)
+    took = time.monotonic() - t
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "stopped: rank 2 (device 'd2') was lost" in last, err
+    assert "Traceback" not in err and took < 30, took
+    assert not [p for p in ranks if alive(p)]

@@ -227,9 +227,11 @@ class DistConfig:
     contention_k: float = 3.0
     """emulate = "relative": budget allowance for processes sharing cores (~3: 4 procs/2 cores)."""
     worker_timeout_s: float = 60.0
-    """A worker whose push has not come this long after its task was sent is dropped."""
+    """A worker whose push has not come this long after its task was sent is dropped; a
+    [parallel] run stops (naming the rank) when a step's collective waits this long."""
     init_timeout_s: float = 60.0
-    """Timeout of process-group initialisation and of collectives."""
+    """Timeout of process-group initialisation and of collectives ([parallel]: of all but a
+    training step's, e.g. the wait for rank 0's evaluation)."""
     master_addr: str = "127.0.0.1"
     """Rendezvous host when hetrain spawns the processes itself."""
     port: int = 0

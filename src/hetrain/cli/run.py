@@ -93,6 +93,11 @@ def _compare_names(compare: str) -> list[str]:
 
 def _variants(cfg: RunConfig, compare: str) -> list[RunConfig]:
     names = _compare_names(compare)
+    if names and cfg.parallel is not None:
+        raise ConfigError("--compare runs the config under other strategies, but a [parallel] "
+                          "table replaces the strategy (each copy would run the same plan); "
+                          "drop --compare, or remove the [parallel] table to compare "
+                          "strategies")
     out = [cfg]
     for name in names:
         if name == FASTEST_ALONE:

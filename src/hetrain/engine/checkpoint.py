@@ -41,6 +41,8 @@ from hetrain.errors import ConfigError
 CHECKPOINT_FILE = "checkpoint.pt"
 FORMAT = 2
 """2: codec tree + tensors (weights_only); 1 (pickled objects) is no longer read."""
+PARALLEL_KIND = "hetrain-parallel"
+"""`kind` of a [parallel] run's checkpoint (hetrain.parallel.train), which this reader refuses."""
 MUST_MATCH = ("workload", "cluster", "optimizer.name")
 """Config keys a resumed run must share with its checkpoint (other keys may change)."""
 
@@ -118,6 +120,11 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
         data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many kinds for a bad zip, pickle or tensor record
         raise _unreadable(path, str(e).splitlines()[0][:120] or type(e).__name__) from None
+    if isinstance(data, dict) and data.get("kind") == PARALLEL_KIND:
+        raise ConfigError(f"checkpoint '{path}' is of a [parallel] run (an AutoDDL plan), but "
+                          f"this config has no [parallel] table (it runs strategy "
+                          f"'{strategy_name}'); resume with the [parallel] table of the run "
+                          "that wrote it, or start afresh")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         got = data.get("format") if isinstance(data, dict) else None
         raise ConfigError(f"checkpoint '{path}' has format {got}, expected {FORMAT}; "

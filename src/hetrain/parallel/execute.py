@@ -255,15 +255,16 @@ class SubsetExecutor:
 
 def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
                   loss_fn: Callable[[Tensor, Tensor], Tensor], *, cluster: Cluster | None = None,
-                  comm: MeshComm | None = None, schedule: str = "gpipe") -> Executor:
+                  comm: MeshComm | None = None, schedule: str = "gpipe",
+                  timeout_s: float | None = None) -> Executor:
     """The executor for `plan` on the current process group: PipelineExecutor (with the
     `schedule`, "gpipe" or "1f1b") for pipeline plans, a PlanExecutor on a device mesh of the
     plan's shape when the plan spans every rank, else a SubsetExecutor. The plan's device
-    ids are ranks. Call on every rank."""
+    ids are ranks. Call on every rank. `timeout_s`: a pipeline's P2P receive timeout."""
     if len(plan.stages) > 1:
         from hetrain.parallel.pipeline import PipelineExecutor
 
-        return PipelineExecutor(model, graph, plan, loss_fn, schedule)
+        return PipelineExecutor(model, graph, plan, loss_fn, schedule, timeout_s)
     devices = plan.stages[0].mesh.devices
     if tuple(devices) != tuple(range(dist.get_world_size())):
         return SubsetExecutor(model, graph, plan, loss_fn, cluster, comm)

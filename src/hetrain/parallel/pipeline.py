@@ -30,6 +30,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -250,13 +251,25 @@ def stage_ranks(plan: Plan, world: int) -> list[list[int]]:
 
 
 # ---- execution --------------------------------------------------------------------------------
+def _p2p_group(ranks: list[int], timeout: timedelta | None) -> dist.ProcessGroup:
+    """A P2P group whose receives give up after `timeout`. Its creation waits for the members
+    with that timeout too, so the ranks first meet in a barrier of the default group (which
+    waits as long as its own timeout)."""
+    if timeout is not None:
+        dist.barrier()
+    return dist.new_group(ranks, timeout=timeout)
+
+
 class PipelineExecutor:
     """A pipeline plan on this process group: build it on every rank (the same seed, the
     model pruned in place to this rank's stage) and call `step(x, y, optimizer)` with the same
     global batch everywhere; it returns the global mean loss on every rank."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], schedule: str = "gpipe"):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], schedule: str = "gpipe",
+                 timeout_s: float | None = None):
+        """`timeout_s`: how long a P2P receive waits for its peer (gloo's P2P waits use the
+        timeout their group was created with, gloo's 30 min by default)."""
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule '{schedule}'; one of {sorted(SCHEDULES)}")
         layout = pipeline_layout(model, graph, plan)
@@ -267,7 +280,8 @@ class PipelineExecutor:
         ranks = stage_ranks(plan, world)
         self.n_micro, self.last_rank = m, ranks[-1][0]
         # every rank creates every group and mesh, in the same order (new_group's contract)
-        p2p = [dist.new_group(sorted(r[j] for r in ranks)) for j in range(d)]
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        p2p = [_p2p_group(sorted(r[j] for r in ranks), timeout) for j in range(d)]
         meshes = [DeviceMesh("cpu", torch.tensor(r).view(st.mesh.shape)) if d > 1 else None
                   for r, st in zip(ranks, plan.stages, strict=True)]
         self.module: StageModule | None = None

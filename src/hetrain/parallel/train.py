@@ -20,16 +20,31 @@ with torch.load(weights_only=True). What ranks send each other (the plan, parame
 resumed state) is a JSON header plus raw tensor bytes (`pack`): nothing received is unpickled.
 Processes meet through hetrain.engine.dist's rendezvous
 and prove the run's secret (hetrain.engine.auth), as the strategies' processes do.
+
+Faults, as in the strategies' runs (hetrain.engine.signals): SIGINT/SIGTERM reach rank 0 (alone
+or with every rank; the others ignore SIGINT and outlive SIGTERM by WORKER_GRACE_S), which
+records them and, at the end of the step in progress, broadcasts "checkpoint and stop": every
+rank agrees on that step, rank 0 writes it and raises RunInterrupted (exit 128 + signal). A
+rank that dies or freezes: during training every collective and pipeline P2P receive times out
+after dist.worker_timeout_s (rank 0's evaluations excepted) instead of gloo's 30 min, and
+each rank bumps a heartbeat key in the rendezvous store; rank 0, on a failed collective, names
+the ranks whose heartbeat stopped and that did not report the failure themselves, and raises
+WorkerLostError (one line, exit 2) with the latest checkpoint. A plan's shards are spread over
+the ranks, so nothing can be checkpointed after a loss; the spawner then kills every process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +64,7 @@ from hetrain.workloads import Workload, evaluate_workload, get_workload
 
 MODELS = ("gpt", "cnn", "mlp", "vgg")
 """Models the executors can split (a graph builder and pipeline pieces exist for them)."""
-CHECKPOINT_KIND = "hetrain-parallel"
+CHECKPOINT_KIND = "hetrain-parallel"  # hetrain.engine.checkpoint.PARALLEL_KIND
 CHECKPOINT_FORMAT = 1
 
 
@@ -233,14 +248,15 @@ def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule:
 
 # ---- one rank ----------------------------------------------------------------------------------
 def build_executor(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload,
-                   cluster: Cluster, schedule: str) -> Any:
+                   cluster: Cluster, schedule: str, timeout_s: float | None = None) -> Any:
     """This rank's executor (call on every rank: meshes and groups are collective). Rank r
     is cluster device r: a stage runs on the devices the plan sized it for, ranks the plan
-    leaves out idle (execute.make_executor)."""
+    leaves out idle (execute.make_executor). `timeout_s`: a pipeline's P2P receive timeout
+    (collectives get theirs from `set_timeouts`)."""
     from hetrain.parallel.execute import make_executor
 
     return make_executor(model, graph, plan, workload.loss_fn, cluster=cluster,
-                         schedule=schedule)
+                         schedule=schedule, timeout_s=timeout_s)
 
 
 def _local_state(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None
@@ -414,6 +430,16 @@ def save_checkpoint(run_dir: Path, weights: dict[str, Tensor], states: dict[str,
     return path
 
 
+def _strategy_of(data: Any) -> str:
+    """" (strategy 'asp')" for a strategy run's checkpoint, from its JSON tree only (the
+    codec's {"d": [[key, value], ...]} dicts), "" when it is not one."""
+    try:
+        fields = dict(json.loads(data["tree"])["d"])
+        return f" (strategy '{dict(dict(fields['config']['d'])['strategy']['d'])['name']}')"
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ""
+
+
 def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) -> dict[str, Any]:
     """A [parallel] checkpoint, checked against the config: one line for a missing,
     unreadable or foreign file (another workload, cluster, optimizer or plan)."""
@@ -429,8 +455,9 @@ def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) 
         raise ConfigError(f"checkpoint '{path}' cannot be read ({str(e).splitlines()[0][:120]});"
                           " move it away and start afresh") from None
     if not isinstance(data, dict) or data.get("kind") != CHECKPOINT_KIND:
-        raise ConfigError(f"checkpoint '{path}' is not a [parallel] run's (it was written by a "
-                          "strategy run); resume it without [parallel], or start afresh")
+        raise ConfigError(f"checkpoint '{path}' is of a strategy run{_strategy_of(data)}, but "
+                          "this config has a [parallel] table (an AutoDDL plan); resume it "
+                          "without [parallel] (with the run's [strategy]), or start afresh")
     if data.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"checkpoint '{path}' has format {data.get('format')!r}, expected "
                           f"{CHECKPOINT_FORMAT}; start the run afresh")
@@ -457,11 +484,116 @@ def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) 
 
 # ---- the training loop -------------------------------------------------------------------------
 _EVAL, _CKPT, _STOP = 0, 1, 2
+HEARTBEAT_S = 0.2
+"""Seconds between a rank's heartbeats in the rendezvous store."""
+_ALIVE, _FAILED = "hetrain/parallel/alive/", "hetrain/parallel/failed/"
+
+
+class Heartbeat:
+    """This rank's liveness in the rendezvous store: a thread bumps a counter, so it goes on
+    while the main thread waits in a collective and stops when the process dies or freezes."""
+
+    def __init__(self, store: dist.Store | None, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True,
+                                        name="hetrain-heartbeat")
+
+    def __enter__(self) -> Heartbeat:
+        if self.store is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(1.0)
+
+    def _beat(self) -> None:
+        assert self.store is not None
+        while not self._done.is_set():
+            try:
+                self.store.add(f"{_ALIVE}{self.rank}", 1)
+            except Exception:  # the store (rank 0) is gone: nobody is listening
+                return
+            self._done.wait(HEARTBEAT_S)
+
+    def report_failure(self) -> None:
+        """A rank that saw a collective fail is not the lost one: say so to rank 0."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # rank 0 (the store) is gone too
+                self.store.set(f"{_FAILED}{self.rank}", "1")
+
+
+def lost_ranks(store: dist.Store, world: int, watch_s: float = 5 * HEARTBEAT_S) -> list[int]:
+    """Ranks 1..world-1 whose heartbeat does not move for `watch_s` and that did not report
+    the failure themselves (rank 0, after a failed collective)."""
+    def beats() -> list[int]:
+        return [int(store.add(f"{_ALIVE}{r}", 0)) for r in range(world)]
+
+    before = beats()
+    time.sleep(watch_s)
+    after = beats()
+    return [r for r in range(1, world)
+            if after[r] == before[r] and not store.check([f"{_FAILED}{r}"])]
+
+
+def set_timeouts(seconds: float, default_only: bool = False) -> None:
+    """Timeout of every collective on this rank's process groups (the default group and the
+    plan's mesh and stage groups, created with gloo's 30 min default), or the default's."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    groups = [None] if default_only else list(_world.pg_map)
+    for pg in groups:
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), pg)
+        except (ValueError, AssertionError):  # a group this rank is not a member of
+            continue
+
+
+def comm_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer died, froze or its link broke (gloo)."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(
+        k in text for k in ("gloo", "timed out", "connection closed", "connection reset"))
+
+
+def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, world: int,
+                run_dir: Path | None, checkpointed: int | None, step: int,
+                e: BaseException) -> Exception:
+    """Rank 0's one line for a rank that died or froze: who, why, the checkpoint to resume."""
+    from hetrain.engine.dist import _gloo_reason
+    from hetrain.engine.dist_server import WorkerLostError
+
+    lost = lost_ranks(store, world) if store is not None else []
+    reason = _gloo_reason(e)
+    if lost:
+        who = ", ".join(f"rank {r} (device '{cluster.devices[r].name}')" for r in lost)
+        what = f"{who} {'was' if len(lost) == 1 else 'were'} lost during step {step + 1} " \
+               f"({reason})"
+    else:
+        what = f"a collective failed during step {step + 1} ({reason})"
+    if run_dir is None:
+        where = "no checkpoint (the run has no run folder)"
+    elif not cfg.train.checkpoint:
+        where = "no checkpoint (train.checkpoint = false)"
+    elif checkpointed is None:
+        where = ("no checkpoint was written yet (set train.checkpoint_every to keep one); "
+                 "start afresh")
+    else:
+        where = (f"latest checkpoint: {checkpoint_file(run_dir)} (step {checkpointed}; continue "
+                 "with the same command and --resume)")
+    return WorkerLostError(f"run '{cfg.name}' stopped: {what}; a [parallel] run cannot go on "
+                           f"without a rank (it holds part of the model); {where}")
 
 
 def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluster,
-               run_dir: Path | None, progress: Any = None) -> RunResult | None:
-    """Train on this rank of an initialised process group; rank 0 returns the RunResult."""
+               run_dir: Path | None, progress: Any = None,
+               store: dist.Store | None = None) -> RunResult | None:
+    """Train on this rank of an initialised process group; rank 0 returns the RunResult.
+    `store` (the rendezvous store) carries the heartbeats that name a lost rank."""
+    from hetrain.engine.signals import StopSignal
+
     par = cfg.parallel
     assert par is not None
     rank = dist.get_rank()
@@ -470,7 +602,8 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     torch.manual_seed(cfg.train.seed)
     model = workload.build_model()
     graph = run_graph(workload, model, batch)
-    ex = build_executor(model, graph, plan, workload, cluster, par.schedule)
+    ex = build_executor(model, graph, plan, workload, cluster, par.schedule,
+                        cfg.dist.worker_timeout_s)
     params = ex.parameters()
     from hetrain.engine.core import build_optimizer
 
@@ -481,6 +614,8 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     per_epoch = n_train // batch
     max_steps = max(1, math.ceil(cfg.stop.max_epochs * n_train / batch))
     step, offset_s, busy = 0, 0.0, 0.0
+    loss_sum, loss_n = 0.0, 0
+    checkpointed: int | None = None
     log: MetricsLog | None = None
     next_eval = _eval_interval(cfg, n_train)
     if rank == 0:
@@ -493,86 +628,134 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
         _restore(model, params, opt, ck["model"], ck["states"], ck["groups"])
         meta = ck["meta"]
         step, offset_s, busy = meta["step"], meta["elapsed_s"], meta["busy_s"][rank]
-        next_eval = meta["next_eval"]
+        next_eval, checkpointed = meta["next_eval"], meta["step"]
+        loss_sum, loss_n = meta.get("loss", [0.0, 0])  # since the last evaluation
         if log is not None:
             log.restore(meta["rows"], step)
             log.tta_s, log.tta_samples = meta["tta"]
         ck = None
 
     t0 = time.perf_counter() - offset_s
-    loss_sum, loss_n = 0.0, 0
     busy_all: list[float] = [busy] * dist.get_world_size()
     perm, perm_epoch = torch.empty(0, dtype=torch.long), -1
     stop_reason = "max_epochs"
+    signals = StopSignal()  # rank 0's; the others ignore SIGINT (hetrain.engine.signals)
+    interrupted = None
     try:
-        while step < max_steps:
-            epoch_i, k = divmod(step, per_epoch)
-            if epoch_i != perm_epoch:
-                g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + epoch_i)
-                perm, perm_epoch = torch.randperm(n_train, generator=g), epoch_i
-            x, y = workload.batch(perm[k * batch:(k + 1) * batch])
-            tb = time.perf_counter()
-            loss = ex.step(x, y, opt)
-            busy += time.perf_counter() - tb
-            step += 1
-            loss_sum, loss_n = loss_sum + loss, loss_n + 1
-            flags = torch.zeros(3, dtype=torch.int64)
-            if rank == 0:
-                elapsed = time.perf_counter() - t0
-                due = (elapsed >= next_eval if cfg.train.eval_every_s
-                       else step * batch >= next_eval)
-                timed_out = cfg.stop.max_time_s > 0 and elapsed >= cfg.stop.max_time_s
-                last = step >= max_steps or timed_out
-                every = cfg.train.checkpoint_every
-                flags[_EVAL] = int(due or last)
-                flags[_CKPT] = int(cfg.train.checkpoint and (last or (every and step % every == 0)))
-                flags[_STOP] = int(timed_out)
-                if timed_out:
-                    stop_reason = "max_time_s"
-                if progress is not None:
-                    progress(min(1.0, max(step / max_steps, elapsed / cfg.stop.max_time_s
-                                          if cfg.stop.max_time_s else 0.0)), None)
-            dist.broadcast(flags, src=0)
-            if flags[_EVAL] or flags[_CKPT]:
-                paused = time.perf_counter()
-                got = _gather(model, params, opt, busy, with_optimizer=bool(flags[_CKPT]))
-                stop = torch.zeros(1, dtype=torch.int64)
-                if got is not None:
-                    assert log is not None and reference is not None
-                    weights, states, busy_all = got
-                    elapsed = paused - t0
-                    if flags[_EVAL]:
-                        row = _evaluate(log, reference, weights, workload, cfg, step, elapsed,
-                                        loss_sum / max(loss_n, 1), busy_all, n_train)
-                        loss_sum, loss_n = 0.0, 0
-                        while next_eval <= (elapsed if cfg.train.eval_every_s else step * batch):
-                            next_eval += _eval_interval(cfg, n_train)
+        with signals.installed() if rank == 0 else contextlib.nullcontext(), Heartbeat(store, rank) as beat:
+            set_timeouts(cfg.dist.worker_timeout_s)  # a dead or frozen peer: an error, soon
+            try:
+                while step < max_steps:
+                    epoch_i, k = divmod(step, per_epoch)
+                    if epoch_i != perm_epoch:
+                        g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + epoch_i)
+                        perm, perm_epoch = torch.randperm(n_train, generator=g), epoch_i
+                    x, y = workload.batch(perm[k * batch:(k + 1) * batch])
+                    tb = time.perf_counter()
+                    loss = ex.step(x, y, opt)
+                    busy += time.perf_counter() - tb
+                    step += 1
+                    loss_sum, loss_n = loss_sum + loss, loss_n + 1
+                    flags = torch.zeros(3, dtype=torch.int64)
+                    if rank == 0:
+                        elapsed = time.perf_counter() - t0
+                        due = (elapsed >= next_eval if cfg.train.eval_every_s
+                               else step * batch >= next_eval)
+                        timed_out = cfg.stop.max_time_s > 0 and elapsed >= cfg.stop.max_time_s
+                        last = step >= max_steps or timed_out
+                        every = cfg.train.checkpoint_every
+                        flags[_EVAL] = int(due or last)
+                        flags[_CKPT] = int(cfg.train.checkpoint
+                                           and (last or (every and step % every == 0)))
+                        flags[_STOP] = int(timed_out)
+                        if timed_out:
+                            stop_reason = "max_time_s"
+                        if signals.signum is not None:  # every rank stops after this step
+                            interrupted = signals.error()
+                            signals.stopping()  # a second signal stops at once
+                            flags[_CKPT], flags[_STOP] = int(cfg.train.checkpoint), 1
+                            stop_reason = "interrupted"
                         if progress is not None:
-                            progress(min(1.0, step / max_steps), row)
-                        if cfg.stop.stop_at_target and log.target_reached():
-                            stop[0], stop_reason = 1, "target"
-                    if flags[_CKPT] and run_dir is not None:
-                        save_checkpoint(run_dir, weights, states, opt.param_groups if opt
-                                        else [], {"step": step, "elapsed_s": elapsed,
-                                                  "busy_s": busy_all, "next_eval": next_eval,
-                                                  "rows": log.rows,
-                                                  "tta": [log.tta_s, log.tta_samples],
-                                                  "config": cfg.to_dict(),
-                                                  "plan": setup.plan})
-                dist.broadcast(stop, src=0)
-                t0 += time.perf_counter() - paused  # run time excludes evaluations, as in dist
-                if stop[0]:
-                    break
-            if flags[_STOP]:
-                break
+                            progress(min(1.0, max(step / max_steps,
+                                                  elapsed / cfg.stop.max_time_s
+                                                  if cfg.stop.max_time_s else 0.0)), None)
+                    dist.broadcast(flags, src=0)
+                    if flags[_EVAL] or flags[_CKPT]:
+                        paused = time.perf_counter()
+                        got = _gather(model, params, opt, busy,
+                                      with_optimizer=bool(flags[_CKPT]))
+                        stop = torch.zeros(1, dtype=torch.int64)
+                        if got is not None:
+                            assert log is not None and reference is not None
+                            weights, states, busy_all = got
+                            elapsed = paused - t0
+                            if flags[_EVAL]:
+                                row = _evaluate(log, reference, weights, workload, cfg, step,
+                                                elapsed, loss_sum / max(loss_n, 1), busy_all,
+                                                n_train)
+                                loss_sum, loss_n = 0.0, 0
+                                while next_eval <= (elapsed if cfg.train.eval_every_s
+                                                    else step * batch):
+                                    next_eval += _eval_interval(cfg, n_train)
+                                if progress is not None:
+                                    progress(min(1.0, step / max_steps), row)
+                                if cfg.stop.stop_at_target and log.target_reached():
+                                    stop[0], stop_reason = 1, "target"
+                            if flags[_CKPT] and run_dir is not None:
+                                save_checkpoint(run_dir, weights, states, opt.param_groups
+                                                if opt else [],
+                                                {"step": step, "elapsed_s": elapsed,
+                                                 "busy_s": busy_all, "next_eval": next_eval,
+                                                 "rows": log.rows, "loss": [loss_sum, loss_n],
+                                                 "tta": [log.tta_s, log.tta_samples],
+                                                 "config": cfg.to_dict(),
+                                                 "plan": setup.plan})
+                                checkpointed = step
+                        # the others wait while rank 0 evaluates and writes: the long timeout
+                        set_timeouts(cfg.dist.init_timeout_s, default_only=True)
+                        dist.broadcast(stop, src=0)
+                        set_timeouts(cfg.dist.worker_timeout_s, default_only=True)
+                        t0 += time.perf_counter() - paused  # run time excludes evaluations
+                        if stop[0]:
+                            break
+                    if flags[_STOP]:
+                        break
+            except RuntimeError as e:
+                if not comm_failure(e):
+                    raise
+                if rank != 0:
+                    from hetrain.engine.dist import ConnectionLostError, _gloo_reason
+
+                    beat.report_failure()
+                    raise ConnectionLostError(f"rank {rank}: {_gloo_reason(e)}: a rank of the "
+                                              "run was lost (rank 0 says which)") from None
+                raise _lost_error(cfg, cluster, store, dist.get_world_size(), run_dir,
+                                  checkpointed, step, e) from None
     finally:
         if log is not None:
             log.close()
+    if interrupted is not None:
+        raise _interrupted(cfg, run_dir, interrupted, checkpointed, step)
     if rank != 0:
         return None
     assert log is not None
     return _summary(log, cfg, setup, cluster, workload, step, time.perf_counter() - t0,
                     busy_all, stop_reason)
+
+
+def _interrupted(cfg: RunConfig, run_dir: Path | None, e: Any, checkpointed: int | None,
+                 step: int) -> Exception:
+    """Rank 0's RunInterrupted, worded as the strategies' runs word it."""
+    from hetrain.engine.signals import RunInterrupted
+
+    if checkpointed == step and run_dir is not None:
+        where = (f"; checkpoint of the last step ({step}): {checkpoint_file(run_dir)} (continue "
+                 "with the same command and --resume)")
+    elif run_dir is None:
+        where = "; no checkpoint (the run has no run folder)"
+    else:
+        where = "; no checkpoint (train.checkpoint = false)"
+    return RunInterrupted(f"run '{cfg.name}' {e}{where}", e.signum)
 
 
 def _eval_interval(cfg: RunConfig, n_train: int) -> float:
@@ -640,9 +823,11 @@ def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> N
     worker_signals()  # rank 0 decides when the run ends
     cluster = load_cluster(cfg.cluster)
     workload = _workload(cfg)
-    engine._init(rv, cfg, run_dir)
+    store, _, _ = engine._init(rv, cfg, run_dir)
     try:
-        train_rank(cfg, setup, workload, cluster, run_dir)
+        train_rank(cfg, setup, workload, cluster, run_dir, store=store)
+    except engine.ConnectionLostError:
+        sys.exit(1)  # rank 0, the spawner, says which rank was lost, in one line
     finally:
         dist.destroy_process_group()
 
@@ -697,12 +882,16 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
     torch.set_num_threads(cfg.train.threads)
     workload = workload or _workload(cfg)
     setup = make_setup(cfg, cluster, workload) if rv.rank == 0 else None
-    engine._init(rv, cfg, run_dir)
+    if rv.rank != 0:
+        from hetrain.engine.signals import worker_signals
+
+        worker_signals()  # rank 0 decides when the run ends (SIGTERM: a grace period)
+    store, _, _ = engine._init(rv, cfg, run_dir)
     try:
         setup = Setup(**broadcast_from_rank0(dataclasses.asdict(setup) if setup is not None
                                              else None))
         result = train_rank(cfg, setup, workload, cluster, run_dir,
-                            progress if rv.rank == 0 else None)
+                            progress if rv.rank == 0 else None, store=store)
     finally:
         dist.destroy_process_group()
     if result is not None:
@@ -718,6 +907,7 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
     fresh secret handed to the children only."""
     from hetrain.engine import auth
     from hetrain.engine import dist as engine
+    from hetrain.engine.dist_server import WorkerLostError
 
     setup = make_setup(cfg, cluster, workload)  # every refusal before any process starts
     if cfg.train.resume:
@@ -727,7 +917,8 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
     port = listener.getsockname()[1]
     secret = auth.new_secret()
     ctx = mp.get_context("spawn")
-    procs = []
+    procs: list[Any] = []
+    lost: list[int] = []
     result = None
     try:
         for rank in range(1, cluster.n):
@@ -739,14 +930,17 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
         rv0 = engine.Rendezvous(0, cluster.n, d.master_addr, port, secret=secret,
                                 listener=listener)
         torch.set_num_threads(cfg.train.threads)
-        engine._init(rv0, cfg, run_dir)
+        store, _, _ = engine._init(rv0, cfg, run_dir)
         try:
-            result = train_rank(cfg, setup, workload, cluster, run_dir, progress)
+            result = train_rank(cfg, setup, workload, cluster, run_dir, progress, store=store)
+        except WorkerLostError:
+            lost = list(range(len(procs)))  # the run is over: no rank waits to be told
+            raise
         finally:
             dist.destroy_process_group()
     finally:
         listener.close()
-        engine._reap(procs, [])
+        engine._reap(procs, lost)
     failed = [p.name for p in procs if p.exitcode not in (0, None)]
     if failed:
         raise RuntimeError(f"[parallel]: process(es) {', '.join(failed)} failed (see above)")
