@@ -81,12 +81,25 @@ def clusters(calib: dict[str, Any]) -> dict[str, Cluster]:
             "roomy": cluster_of(calib, [8e9] * 4)}
 
 
-def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str]:
-    """label -> plan of every distinct plan to measure, and the searched plan's label."""
+def _description(found: Any) -> str:
+    """The search's own description of the plan it chose."""
+    return next(d for (d, _, _), p in zip(found.candidates, found.candidate_plans, strict=True)
+                if p == found.plan)
+
+
+def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str, str]:
+    """label -> plan of every distinct plan to measure, the searched plan's label, and the
+    label of the plan `hetrain run` with `[parallel] plan = "auto"` picks on a cluster file
+    of these devices (the same search, its cost model without the microbenchmarks'
+    per-call and per-op corrections)."""
     graph = models()["gpt"][0]
     found = search_plan(graph, cluster, SearchOptions(), options)
+    as_run = search_plan(graph, cluster, SearchOptions(),
+                         CostOptions(optimizer_states=options.optimizer_states))
     out: dict[str, Plan] = {}
-    for (desc, _, _), plan in zip(found.candidates, found.candidate_plans, strict=True):
+    for (desc, _, _), plan in [*zip(found.candidates, found.candidate_plans, strict=True),
+                               ((f"as hetrain run: {_description(as_run)}", 0, 0),
+                                as_run.plan)]:
         if plan not in out.values():
             out[desc] = plan
     for name, mesh in TEMPLATES:
@@ -94,7 +107,8 @@ def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, P
         if plan not in out.values():
             out[f"template {name} mesh {mesh.label}"] = plan
     searched = next(k for k, p in out.items() if p == found.plan)
-    return out, searched
+    run = next(k for k, p in out.items() if p == as_run.plan)
+    return out, searched, run
 
 
 def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -104,9 +118,9 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     graph, build, make = models()["gpt"]
     batch = make(torch.Generator().manual_seed(1))
     options = cost_options(calib)
-    runs, plans, searched = [], {}, {}
+    runs, plans, searched, as_run = [], {}, {}, {}
     for cname, cluster in clusters(calib).items():
-        found, searched[cname] = enumerate_plans(cluster, options)
+        found, searched[cname], as_run[cname] = enumerate_plans(cluster, options)
         plans[cname] = {k: p.to_dict() for k, p in found.items()}
         for label, plan in found.items():
             torch.manual_seed(0)
@@ -126,7 +140,8 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     measured: dict[str, dict[str, float]] = {}
     for cname, label, *_, times in runs:
         measured.setdefault(cname, {})[label] = statistics.median(times)
-    return {"calibration": calib, "plans": plans, "searched": searched, "measured": measured}
+    return {"calibration": calib, "plans": plans, "searched": searched, "as_run": as_run,
+            "measured": measured}
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +166,8 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
         out[cname] = dict(
             rows=rows, searched=s, best=best["plan"],
             searched_over_best=meas[s] / best["measured_s"],
+            as_run=res["as_run"][cname],
+            as_run_over_best=meas[res["as_run"][cname]] / best["measured_s"],
             torchtitan=tt, torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == tt),
             torchtitan_over_searched=meas[tt] / meas[s],
             spearman=float(spearmanr([r["predicted_s"] for r in fit],
@@ -174,6 +191,7 @@ def main() -> None:
         repeats.append(dict(result=res, summary=summ, wall_s=time.perf_counter() - t0))
         print(f"repeat {r} ({repeats[-1]['wall_s']:.0f} s): " + "; ".join(
             f"{c}: searched {s['searched']!r} {s['searched_over_best']:.3f}x the best "
+            f"(hetrain run's {s['as_run_over_best']:.3f}x) "
             f"({s['best']!r}), torchtitan-style {s['torchtitan_over_searched']:.3f}x the "
             f"searched, spearman {s['spearman']:.2f}" for c, s in summ.items()), flush=True)
     write(repeats, args)
@@ -199,20 +217,27 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"Clusters: `capped` = devices 0-1 with {MEM_BIG:.0%} and devices 2-3 with "
           f"{MEM_SMALL:.0%} of the memory the whole model needs on one device (no device "
           "holds it alone); `roomy` = 8 GB each.", "",
+          "`hetrain run`'s plan: what `[parallel] plan = \"auto\"` picks on a cluster file of "
+          "these devices (same search; its cost model lacks the microbenchmarks' per-call "
+          "and per-op corrections).", "",
           "| cluster | plans measured (fit) | searched / fastest fitting (target <= 1.10) | "
+          "hetrain run's plan / fastest fitting | "
           "torchtitan-style dp-tp / searched (target >= 1.0) | Spearman (fitting plans) |",
-          "|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|"]
     for c in repeats[0]["summary"]:
         ss = [r["summary"][c] for r in repeats]
         tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
         md.append(f"| {c} | {ss[0]['n_plans']} ({ss[0]['n_fit']}) | "
                   f"{_med([s['searched_over_best'] for s in ss])} | "
+                  f"{_med([s['as_run_over_best'] for s in ss])} | "
                   f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
                   f"{_med([s['spearman'] for s in ss])} |")
     for c in repeats[0]["summary"]:
         md += ["", f"## {c}: per plan (repeat 0's prediction; measured median over repeats)", "",
                "searched per repeat: " + ", ".join(f"`{r['summary'][c]['searched']}`"
                                                    for r in repeats),
+               "", "hetrain run's plan per repeat: " + ", ".join(
+                   f"`{r['summary'][c]['as_run']}`" for r in repeats),
                "", "| plan | fits | memory MB | predicted s | measured s | spread |",
                "|---|---|---|---|---|---|"]
         rows = repeats[0]["summary"][c]["rows"]

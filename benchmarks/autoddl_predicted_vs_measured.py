@@ -102,10 +102,12 @@ _WEIGHTED = ("linear", "conv", "embedding", "layernorm")  # the cost model's 3x 
 
 
 def _time_s(fn: Any, calls: int = 8, reps: int = 7) -> float:
-    """Least over reps of the mean time of `calls` back-to-back calls, all ranks starting
-    together: back to back, as the executor's per-tensor gradient loop and ops run. The least
-    (not the median): other work on the machine only ever adds time, and with 3 medians the
-    fitted per-call cost varied 309-1110 us between repeats, reordering the VGG plans."""
+    """Median over reps of the mean time of `calls` back-to-back calls, all ranks starting
+    together: back to back, as the executor's per-tensor gradient loop and ops run. The
+    median, not the least: the 4 ranks share 2 cores, and that contention is part of every
+    plan's step; the least caught moments a rank ran alone and made the replicated plan
+    look 2.7x faster than it runs. 7 repeats (3 before: the fitted per-call cost varied
+    309-1110 us between repeats)."""
     fn()
     out = []
     for _ in range(reps):
@@ -114,7 +116,7 @@ def _time_s(fn: Any, calls: int = 8, reps: int = 7) -> float:
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t) / calls)
-    return min(out)
+    return statistics.median(out)
 
 
 def _collective_times(world: int) -> list[tuple[str, int, int, float]]:
