@@ -235,7 +235,9 @@ def test_four_ranks_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_pack_round_trips_without_pickle() -> None:
-    from hetrain.parallel.train import pack, unpack
+    """What [parallel] ranks exchange (weights, optimizer state, groups) goes through the
+    codec the strategies' messages use."""
+    from hetrain.engine.codec import pack, unpack
 
     tree = {"w": torch.randn(3, 4), "s": {"step": torch.tensor(5.0), "m": torch.zeros(0)},
             "i": torch.arange(4), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "busy": 1.5}
@@ -243,7 +245,7 @@ def test_pack_round_trips_without_pickle() -> None:
     torch.testing.assert_close(back["w"], tree["w"])
     assert back["s"]["step"].item() == 5.0 and back["s"]["m"].shape == (0,)
     assert back["i"].tolist() == [0, 1, 2, 3] and back["groups"] == [{"lr": 0.1,
-                                                                      "betas": [0.9, 0.99]}]
+                                                                      "betas": (0.9, 0.99)}]
     assert back["busy"] == 1.5
 
 

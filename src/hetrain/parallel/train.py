@@ -17,7 +17,8 @@ rank 0, which evaluates a plain copy of the model on the test split (it must hol
 of the parameters, not their gradients or optimizer state) and writes the checkpoint: a
 full, unsharded state dict of model and optimizer, tensors and plain data only, read back
 with torch.load(weights_only=True). What ranks send each other (the plan, parameters, a
-resumed state) is a JSON header plus raw tensor bytes (`pack`): nothing received is unpickled.
+resumed state) goes through hetrain.engine.codec, as the strategies' messages do: a typed JSON
+header plus raw tensor bytes, bounded and checked, nothing received is unpickled.
 Processes meet through hetrain.engine.dist's rendezvous
 and prove the run's secret (hetrain.engine.auth), as the strategies' processes do.
 
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import OptimizerConfig, RunConfig
+from hetrain.engine import codec
 from hetrain.errors import ConfigError
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, read_plan_file, stage_graphs
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
@@ -309,60 +311,10 @@ def _restore(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Opti
             g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-# ---- exchange between ranks: a JSON header + raw tensor bytes, nothing unpickled -------------
-_DTYPES = {str(t): t for t in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                torch.int64, torch.int32, torch.uint8, torch.bool)}
-
-
-def pack(tree: Any) -> Tensor:
-    """A tree of dicts, lists, plain values and CPU tensors as one uint8 tensor."""
-    tensors: list[Tensor] = []
-
-    def enc(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            if str(v.dtype) not in _DTYPES:
-                raise TypeError(f"cannot send a {v.dtype} tensor")
-            tensors.append(v.detach().cpu().contiguous())
-            return {"__tensor__": len(tensors) - 1, "dtype": str(v.dtype), "shape": list(v.shape)}
-        if isinstance(v, dict):
-            return {"__dict__": [[k, enc(x)] for k, x in v.items()]}
-        if isinstance(v, list | tuple):
-            return [enc(x) for x in v]
-        return v
-
-    header = json.dumps(enc(tree)).encode()
-    parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
-             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
-    parts += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-    return torch.cat(parts)
-
-
-def unpack(buf: Tensor) -> Any:
-    """`pack`'s tree back: only JSON and raw bytes of the dtypes in _DTYPES are read."""
-    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
-    header = json.loads(bytes(buf[8:8 + n].numpy()).decode())
-    offset = 8 + n
-
-    def dec(v: Any) -> Any:
-        nonlocal offset
-        if isinstance(v, dict) and "__tensor__" in v:
-            dtype, shape = _DTYPES[v["dtype"]], [int(x) for x in v["shape"]]
-            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            raw = buf[offset:offset + size].clone()
-            offset += size
-            return raw.view(dtype).reshape(shape)
-        if isinstance(v, dict) and "__dict__" in v:
-            return {k: dec(x) for k, x in v["__dict__"]}
-        if isinstance(v, list):
-            return [dec(x) for x in v]
-        return v
-
-    return dec(header)
-
-
+# ---- exchange between ranks: hetrain.engine.codec (typed JSON + raw bytes, nothing unpickled) --
 def gather_to_rank0(tree: Any) -> list[Any] | None:
     """Every rank's `tree` on rank 0 (None elsewhere); collective over all ranks."""
-    buf = pack(tree)
+    buf = codec.pack(tree)
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([buf.numel()]))
@@ -373,18 +325,18 @@ def gather_to_rank0(tree: Any) -> list[Any] | None:
     dist.gather(padded, parts, dst=0)
     if parts is None:
         return None
-    return [unpack(p[:int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
+    return [codec.unpack(p[:int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
 
 
 def broadcast_from_rank0(tree: Any) -> Any:
     """Rank 0's `tree` on every rank (others pass None); collective over all ranks."""
-    buf = pack(tree) if dist.get_rank() == 0 else torch.empty(0, dtype=torch.uint8)
+    buf = codec.pack(tree) if dist.get_rank() == 0 else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([buf.numel()])
     dist.broadcast(size, src=0)
     if dist.get_rank() != 0:
         buf = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(buf, src=0)
-    return unpack(buf) if dist.get_rank() != 0 else tree
+    return codec.unpack(buf) if dist.get_rank() != 0 else tree
 
 
 def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None,
