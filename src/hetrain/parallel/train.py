@@ -503,11 +503,20 @@ def set_timeouts(seconds: float, default_only: bool = False) -> None:
             continue
 
 
-def comm_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died, froze or its link broke (gloo)."""
-    text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(
-        k in text for k in ("gloo", "timed out", "connection closed", "connection reset"))
+def comm_failure(e: BaseException) -> BaseException | None:
+    """The failed collective behind `e` (a peer died, froze or its link broke: gloo), or None.
+    The cause chain is searched: torch.distributed.pipelining re-raises a failure inside a
+    stage's backward (a DTensor stage's gradient all-reduce) as a RuntimeError of its own."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        text = str(cur).lower()
+        if isinstance(cur, dist.DistError) or any(
+                k in text for k in ("gloo", "timed out", "connection closed", "connection reset")):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, world: int,
@@ -518,7 +527,7 @@ def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, worl
     from hetrain.engine.dist_server import WorkerLostError
 
     lost = lost_ranks(store, world) if store is not None else []
-    reason = _gloo_reason(e)
+    reason = _gloo_reason(comm_failure(e) or e)
     if lost:
         who = ", ".join(f"rank {r} (device '{cluster.devices[r].name}')" for r in lost)
         what = f"{who} {'was' if len(lost) == 1 else 'were'} lost during step {step + 1} " \
@@ -673,13 +682,14 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                     if flags[_STOP]:
                         break
             except RuntimeError as e:
-                if not comm_failure(e):
+                failed = comm_failure(e)
+                if failed is None:
                     raise
                 if rank != 0:
                     from hetrain.engine.dist import ConnectionLostError, _gloo_reason
 
                     beat.report_failure()
-                    raise ConnectionLostError(f"rank {rank}: {_gloo_reason(e)}: a rank of the "
+                    raise ConnectionLostError(f"rank {rank}: {_gloo_reason(failed)}: a rank of the "
                                               "run was lost (rank 0 says which)") from None
                 raise _lost_error(cfg, cluster, store, dist.get_world_size(), run_dir,
                                   checkpointed, step, e) from None
