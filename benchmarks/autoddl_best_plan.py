@@ -15,7 +15,9 @@ device r:
 3. on each, the search (`search_plan`, the function `[parallel] plan = "auto"` runs) picks a
    plan; every plan it enumerated (every mesh and pipeline candidate; the subset meshes run
    on their devices while the others idle), every template plan (data, tensor, mixed,
-   replicated on a mesh of 4 and on 2 x 2), and the torchtitan-style plan (tensor parallel
+   replicated on a mesh of 4 and on 2 x 2), one device alone (the others idle: the user's
+   simplest alternative; the same global batch, as this compares step times, not time to
+   accuracy), and the torchtitan-style plan (tensor parallel
    inside a node of 2, data parallel across the 2 nodes: "dp-tp" on the 2 x 2 mesh) are
    trained for 2 warm-up and --steps timed AdamW steps of the tiny GPT, steps interleaved
    round-robin over the plans so that load from other work hits all alike; median per plan.
@@ -46,6 +48,7 @@ from autoddl_predicted_vs_measured import GPT, M4, M22, _calibrate, models, opti
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.plan.cost import CostOptions, Plan, plan_cost
+from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
 from hetrain.workloads.base import cross_entropy
 
@@ -53,6 +56,8 @@ OUT = Path(__file__).parent / "results"
 MEM_BIG, MEM_SMALL = 0.6, 0.3
 """Device memory caps of the `capped` cluster, as fractions of the whole model's need."""
 TORCHTITAN = "dp-tp"
+LONE = Mesh((1,), (0,))
+"""The user's simplest alternative: one device trains alone, the others idle."""
 TEMPLATES = (*((t, M4) for t in ("dp", "tp", "mixed", "rep")),
              *((t, M22) for t in ("dp-tp", "tp-dp", "dp-dp", "tp-tp", "dp-mixed")))
 
@@ -106,6 +111,9 @@ def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, P
         plan = template_plan(graph, mesh, name)
         if plan not in out.values():
             out[f"template {name} mesh {mesh.label}"] = plan
+    lone = template_plan(graph, LONE, "rep")
+    if lone not in out.values():
+        out["lone device 0 (the others idle)"] = lone
     searched = next(k for k, p in out.items() if p == found.plan)
     run = next(k for k, p in out.items() if p == as_run.plan)
     return out, searched, run
@@ -170,6 +178,10 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             as_run_over_best=meas[res["as_run"][cname]] / best["measured_s"],
             torchtitan=tt, torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == tt),
             torchtitan_over_searched=meas[tt] / meas[s],
+            lone_over_searched=meas["lone device 0 (the others idle)"] / meas[s]
+            if "lone device 0 (the others idle)" in meas else None,
+            lone_fits=next((r["fits"] for r in rows
+                            if r["plan"] == "lone device 0 (the others idle)"), None),
             spearman=float(spearmanr([r["predicted_s"] for r in fit],
                                      [r["measured_s"] for r in fit])[0]),
             n_plans=len(rows), n_fit=len(fit))
@@ -197,6 +209,13 @@ def main() -> None:
     write(repeats, args)
 
 
+def _lone(ss: list[dict[str, Any]]) -> str:
+    xs = [s["lone_over_searched"] for s in ss if s["lone_over_searched"] is not None]
+    if not xs:
+        return "n/a"
+    return _med(xs) + ("" if ss[0]["lone_fits"] else " (does not fit the caps)")
+
+
 def _med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
@@ -222,8 +241,9 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           "and per-op corrections).", "",
           "| cluster | plans measured (fit) | searched / fastest fitting (target <= 1.10) | "
           "hetrain run's plan / fastest fitting | "
-          "torchtitan-style dp-tp / searched (target >= 1.0) | Spearman (fitting plans) |",
-          "|---|---|---|---|---|---|"]
+          "torchtitan-style dp-tp / searched (target >= 1.0) | one device alone / searched | "
+          "Spearman (fitting plans) |",
+          "|---|---|---|---|---|---|---|"]
     for c in repeats[0]["summary"]:
         ss = [r["summary"][c] for r in repeats]
         tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
@@ -231,6 +251,7 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
                   f"{_med([s['searched_over_best'] for s in ss])} | "
                   f"{_med([s['as_run_over_best'] for s in ss])} | "
                   f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
+                  f"{_lone(ss)} | "
                   f"{_med([s['spearman'] for s in ss])} |")
     for c in repeats[0]["summary"]:
         md += ["", f"## {c}: per plan (repeat 0's prediction; measured median over repeats)", "",
