@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     from hetrain.engine.dist_worker import Worker
     from hetrain.engine.join import ALLREDUCE_HINT, find_target, request_slot
     from hetrain.strategies.registry import get_class
-    from hetrain.workloads import get_workload
+    from hetrain.workloads import workload_from_config
 
     cfg = apply_overrides(load_config(args.config), args.set)
     if get_class(cfg.strategy.name).comm != "ps":
@@ -61,9 +61,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     target = find_target(Path(args.runs_dir) / cfg.name, args.endpoint, args.store_prefix,
                          args.wait)
-    workload = get_workload(cfg.workload.model, cfg.workload.dataset,
-                            model_options=cfg.workload.model_options,
-                            dataset_options=cfg.workload.dataset_options)
+    workload = workload_from_config(cfg.workload)
     wait_s = max(0.0, args.wait - (time.monotonic() - started))
     worker, link, _group = request_slot(target, cfg.name, args.worker, wait_s,
                                         cfg.dist.init_timeout_s)

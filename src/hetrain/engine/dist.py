@@ -71,7 +71,7 @@ from hetrain.errors import ConfigError, HetrainError, ReportedElsewhereError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
 from hetrain.validate import check_ps_shard_count
-from hetrain.workloads import Workload, flops_per_sample, get_workload
+from hetrain.workloads import Workload, flops_per_sample, workload_from_config
 
 __all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "run_distributed",
            "run_rank", "spawn_local"]
@@ -268,9 +268,7 @@ def _effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workloa
                       ) -> tuple[Cluster, Workload]:
     """The cluster the run emulates (calibrated for emulate = "relative") and the workload."""
     cluster = cluster or load_cluster(cfg.cluster)
-    workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
-                                        model_options=cfg.workload.model_options,
-                                        dataset_options=cfg.workload.dataset_options)
+    workload = workload or workload_from_config(cfg.workload)
     if cfg.dist.emulate == "relative":
         cluster = calibrated_cluster(cluster, workload, flops_per_sample(workload),
                                      cfg.train.batch_size, cfg.dist.contention_k)
@@ -364,9 +362,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
     n = _n_workers(rv.world_size, cfg.dist.ps_shards)
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     if rv.rank <= n:  # a PS shard needs no data
-        workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
-                                            model_options=cfg.workload.model_options,
-                                            dataset_options=cfg.workload.dataset_options)
+        workload = workload or workload_from_config(cfg.workload)
     _init(rv, cfg, run_dir)
     try:
         group = _worker_group(rv.world_size, cfg)

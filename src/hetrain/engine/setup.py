@@ -15,7 +15,7 @@ from hetrain.config import RunConfig
 from hetrain.engine.core import model_bytes
 from hetrain.errors import ConfigError
 from hetrain.strategies import RunContext, Strategy, make_strategy
-from hetrain.workloads import Workload, flops_per_sample, get_workload
+from hetrain.workloads import Workload, flops_per_sample, workload_from_config
 
 
 @dataclass
@@ -33,9 +33,7 @@ def prepare(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     """Build (or take the given) cluster, workload and strategy, and set the strategy up."""
     torch.set_num_threads(cfg.train.threads)
     cluster = cluster or load_cluster(cfg.cluster)
-    workload = workload or get_workload(cfg.workload.model, cfg.workload.dataset,
-                                        model_options=cfg.workload.model_options,
-                                        dataset_options=cfg.workload.dataset_options)
+    workload = workload or workload_from_config(cfg.workload)
     strategy = strategy or make_strategy(cfg.strategy.name, **cfg.strategy.options)
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     n_train = len(workload.train)  # type: ignore[arg-type]

@@ -62,7 +62,7 @@ from hetrain.plan.cost import CostOptions, Plan, plan_cost, read_plan_file, stag
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
 from hetrain.plan.search import SearchOptions, _gib, search_plan
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
-from hetrain.workloads import Workload, evaluate_workload, get_workload
+from hetrain.workloads import Workload, evaluate_workload, workload_from_config
 
 MODELS = ("gpt", "cnn", "mlp", "vgg")
 """Models the executors can split (a graph builder and pipeline pieces exist for them)."""
@@ -784,7 +784,7 @@ def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> N
     torch.set_num_threads(cfg.train.threads)
     worker_signals()  # rank 0 decides when the run ends
     cluster = load_cluster(cfg.cluster)
-    workload = _workload(cfg)
+    workload = workload_from_config(cfg.workload)
     store, _, _ = engine._init(rv, cfg, run_dir)
     try:
         train_rank(cfg, setup, workload, cluster, run_dir, store=store)
@@ -792,12 +792,6 @@ def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> N
         sys.exit(1)  # rank 0, the spawner, says which rank was lost, in one line
     finally:
         dist.destroy_process_group()
-
-
-def _workload(cfg: RunConfig) -> Workload:
-    w = cfg.workload
-    return get_workload(w.model, w.dataset, model_options=w.model_options,
-                        dataset_options=w.dataset_options)
 
 
 def run_parallel(cfg: RunConfig, *, run_dir: Path | None = None, progress: Any = None,
@@ -824,7 +818,7 @@ def run_parallel(cfg: RunConfig, *, run_dir: Path | None = None, progress: Any =
                                local_world_size=int(env.get("LOCAL_WORLD_SIZE",
                                                             env["WORLD_SIZE"])))
         return _run_env_rank(rv, cfg, cluster, workload, run_dir, progress)
-    return _spawn(cfg, cluster, workload or _workload(cfg), run_dir, progress)
+    return _spawn(cfg, cluster, workload or workload_from_config(cfg.workload), run_dir, progress)
 
 
 def _check_world(world: int, cluster: Cluster) -> None:
@@ -842,7 +836,7 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
 
     _check_world(rv.world_size, cluster)
     torch.set_num_threads(cfg.train.threads)
-    workload = workload or _workload(cfg)
+    workload = workload or workload_from_config(cfg.workload)
     setup = make_setup(cfg, cluster, workload) if rv.rank == 0 else None
     if rv.rank != 0:
         from hetrain.engine.signals import worker_signals

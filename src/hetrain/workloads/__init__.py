@@ -47,13 +47,19 @@ __all__ = [
     "DATASETS", "MODELS", "MODEL_INPUTS", "BatchLoader", "Batcher", "LoaderOptions", "Workload",
     "correct_count", "cross_entropy", "evaluate", "evaluate_workload", "flops_per_sample", "gather",
     "get_workload", "map_tensors", "num_params", "register_dataset", "register_model",
-    "sample_bytes_of", "tensor_leaves",
+    "sample_bytes_of", "tensor_leaves", "workload_from_config",
 ]
 
 
 def _check_name(what: str, name: str, registry: Mapping[str, Any]) -> None:
     if name not in registry:
         raise ConfigError(f"unknown {what} '{name}'; choose one of: {', '.join(sorted(registry))}")
+
+
+def workload_from_config(w: Any) -> Workload:
+    """The Workload a run config's [workload] table names (a config.WorkloadConfig)."""
+    return get_workload(w.model, w.dataset, model_options=w.model_options,
+                        dataset_options=w.dataset_options)
 
 
 def get_workload(
