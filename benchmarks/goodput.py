@@ -23,7 +23,9 @@ TTA is infinite (so a ratio is 0 when auto misses, inf when the other misses), a
 count is shown. The final metric is the mean of a run's last 5 evaluations (one evaluation is
 noisy); the gap is auto minus lone (accuracy points, or loss). The planner's predicted speed-up:
 over auto's run up to its TTA, the time-weighted mean of the goodput model's ratio auto plan /
-tuned lone device (hetrain.plan.goodput) at the noise scale auto planned with at that time.
+tuned lone device (hetrain.plan.goodput) at the noise scale auto planned with at that time; the
+lone device's goodput is its throughput x its batch's statistical efficiency (at the lr tuning
+chose for it, as the model assumes of every batch).
 Writes benchmarks/results/<--out, default goodput or goodput_gpt>.{json,md}; --from-json
 re-summarises a saved results file without running anything.
 """
@@ -159,13 +161,12 @@ def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], clu
 
     spec = WORKLOADS[workload]
     fps, mb = workload_costs(workload)
-    base_lr = spec["optimizer"]["lr"]
     exponent = 1.0 if spec["optimizer"]["name"] == "sgd" else 0.5
     cl = load_cluster(cluster_spec(cluster))
     st = auto["strategy_stats"]
     costs = cluster_costs(cl, st["ps_site"], fps, mb)
     lone = max(cl.devices, key=lambda d: d.flops)
-    batch, lr = lone_setting
+    batch = lone_setting[0]
     end = tta(auto["rows"], target, spec["metric"])
     num = den = 0.0
     for a, b in itertools.pairwise(auto["rows"]):
@@ -177,12 +178,14 @@ def predicted_vs_lone(auto: dict[str, Any], lone_setting: tuple[int, float], clu
         if plan is None:
             continue
         lone_sps = batch / lone.compute_time_s(batch, fps)
-        # the lone device's progress per sample: a step moves by its lr (over the base, in
-        # AdaScale's units), and never more than the batch's AdaScale gain allows
+        # the lone device's progress per sample: its batch's AdaScale gain. Its lr is the one
+        # tuning found best for this batch and target, and the goodput model (as Pollux's)
+        # compares batches each at a well-tuned lr; charging the lone device for an lr below
+        # the AdaScale scale (as this did until stop 29) said a lower lr is slower, which its
+        # own tuning contradicts, and over-predicted Adam 3-5x
         gain = StatModel(noise, BASE_BATCH, lr_exponent=exponent).lr_scale(batch) \
             ** (1 / exponent)
-        lone_gain = min((lr / base_lr) ** (1 / exponent), gain)
-        lone_goodput = lone_sps * lone_gain * BASE_BATCH / batch
+        lone_goodput = lone_sps * gain * BASE_BATCH / batch
         dt = b["time_s"] - a["time_s"]
         num += dt * plan.goodput / lone_goodput
         den += dt
