@@ -9,6 +9,8 @@ import torch
 
 from hetrain.cluster import Link, preset
 from hetrain.config import config_from_dict
+from hetrain.engine import measure as measure_mod
+from hetrain.engine.measure import Measurement
 from hetrain.engine.setup import prepare
 from hetrain.errors import ConfigError
 from hetrain.profile import (
@@ -21,11 +23,9 @@ from hetrain.profile import (
     plan_local_steps,
     worker_profiles,
 )
-from hetrain.profile import measure as measure_mod
-from hetrain.profile.measure import (
+from hetrain.profile.fit import (
     FIX,
     MAX_PLAUSIBLE_FLOPS,
-    Measurement,
     StepFit,
     fit_step_time,
     judge_fits,

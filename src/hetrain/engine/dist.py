@@ -73,8 +73,8 @@ from hetrain.strategies import Strategy
 from hetrain.validate import check_ps_shard_count
 from hetrain.workloads import Workload, flops_per_sample, workload_from_config
 
-__all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "run_distributed",
-           "run_rank", "spawn_local"]
+__all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "init_process_group",
+           "run_distributed", "run_rank", "spawn_local"]
 
 log = logging.getLogger("hetrain.dist")
 JOIN_TIMEOUT_S = 30.0
@@ -193,10 +193,19 @@ def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.Store:
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None
-          ) -> tuple[dist.Store, str, bool]:
-    """Join the process group and prove the run's secret (hetrain.engine.auth). Returns the
-    rendezvous store, the secret and whether this run generated it (for `hetrain join`)."""
+def init_process_group(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None
+                       ) -> tuple[dist.Store, str, bool]:
+    """Join the run's gloo process group at `rv` and prove the run's secret
+    (hetrain.engine.auth): every process of a run joins this way (the engine's ranks, the
+    [parallel] ranks, the profiler's in hetrain.engine.measure). The caller destroys the group
+    (`torch.distributed.destroy_process_group`) when done.
+
+    Sets cfg.train.threads intra-op threads; waits cfg.dist.init_timeout_s for every rank.
+    The secret is rv.secret (a spawned run's), HETRAIN_SECRET, or, on rank 0 with a
+    `run_dir` and neither, one generated into a file there for the other ranks to read.
+    Failures a user can fix (port in use, a rank that never joined, a wrong secret, NCCL
+    without a CUDA build) raise ConfigError in one line. Returns the rendezvous store, the
+    secret and whether this run generated it (for `hetrain join`)."""
     torch.set_num_threads(cfg.train.threads)
     timeout = timedelta(seconds=cfg.dist.init_timeout_s)
     secret = rv.secret or auth.configured_secret()
@@ -264,7 +273,7 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-def _effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workload | None
+def effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workload | None
                       ) -> tuple[Cluster, Workload]:
     """The cluster the run emulates (calibrated for emulate = "relative") and the workload."""
     cluster = cluster or load_cluster(cfg.cluster)
@@ -335,7 +344,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
     if rv.rank == 0:
         prep = prepared
         if prep is None:
-            cluster, workload = _effective_inputs(cfg, cluster, workload)
+            cluster, workload = effective_inputs(cfg, cluster, workload)
             prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
             check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg.dist.ps_shards
@@ -347,7 +356,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                 f"{world})")
         ps_device = check_devices(cfg, prep.cluster, prep.strategy.comm, rv.layout)
         devices.use(ps_device)
-        store, secret, generated = _init(rv, cfg, run_dir)
+        store, secret, generated = init_process_group(rv, cfg, run_dir)
         try:
             _worker_group(rv.world_size, cfg)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
@@ -363,7 +372,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     if rv.rank <= n:  # a PS shard needs no data
         workload = workload or workload_from_config(cfg.workload)
-    _init(rv, cfg, run_dir)
+    init_process_group(rv, cfg, run_dir)
     try:
         group = _worker_group(rv.world_size, cfg)
         if rv.rank > n:
@@ -450,7 +459,7 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
               + cfg_d.ps_shards)
     result = None
     try:
-        cluster, workload = _effective_inputs(cfg, cluster, workload)
+        cluster, workload = effective_inputs(cfg, cluster, workload)
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
         check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg_d.ps_shards

@@ -785,7 +785,7 @@ def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> N
     worker_signals()  # rank 0 decides when the run ends
     cluster = load_cluster(cfg.cluster)
     workload = workload_from_config(cfg.workload)
-    store, _, _ = engine._init(rv, cfg, run_dir)
+    store, _, _ = engine.init_process_group(rv, cfg, run_dir)
     try:
         train_rank(cfg, setup, workload, cluster, run_dir, store=store)
     except engine.ConnectionLostError:
@@ -842,7 +842,7 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
         from hetrain.engine.signals import worker_signals
 
         worker_signals()  # rank 0 decides when the run ends (SIGTERM: a grace period)
-    store, _, _ = engine._init(rv, cfg, run_dir)
+    store, _, _ = engine.init_process_group(rv, cfg, run_dir)
     try:
         setup = Setup(**broadcast_from_rank0(dataclasses.asdict(setup) if setup is not None
                                              else None))
@@ -886,7 +886,7 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
         rv0 = engine.Rendezvous(0, cluster.n, d.master_addr, port, secret=secret,
                                 listener=listener)
         torch.set_num_threads(cfg.train.threads)
-        store, _, _ = engine._init(rv0, cfg, run_dir)
+        store, _, _ = engine.init_process_group(rv0, cfg, run_dir)
         try:
             result = train_rank(cfg, setup, workload, cluster, run_dir, progress, store=store)
         except WorkerLostError:
