@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
@@ -67,6 +66,7 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.join import JoinDesk
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
+from hetrain.engine.spawn import Spawner
 from hetrain.errors import ConfigError, HetrainError, ReportedElsewhereError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
@@ -432,22 +432,20 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     listener = bind_listener(cfg_d.master_addr, cfg_d.port)
     port = listener.getsockname()[1]
     secret = auth.new_secret()
-    ctx = mp.get_context("spawn")
-    procs, pipes = [], []
+    spawner = Spawner()
+    pipes = []
 
     def start(world: int) -> None:
         for rank in range(1, world):
-            mine, theirs = ctx.Pipe()
+            mine, theirs = spawner.pipe()
             rv = Rendezvous(rank, world, cfg_d.master_addr, port, secret=secret)
             # Not daemonic, so that a worker can start DataLoader workers (loader
             # num_workers > 0). Daemonic would only add multiprocessing's terminate at this
-            # process's normal exit, and `_reap` (the finally below, however rank 0's part
+            # process's normal exit, and `reap` (the finally below, however rank 0's part
             # ends) has already joined or killed every worker by then; a SIGKILLed rank 0
             # runs neither. Workers also stop by themselves when rank 0's connection breaks.
-            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=False,
-                            name=f"hetrain-worker-{rank}")
-            p.start()
-            procs.append(p)
+            spawner.start(_worker_main, (rv, cfg, theirs, faults), daemon=False,
+                          name=f"hetrain-worker-{rank}")
             pipes.append(mine)
 
     # The workers import torch while this process builds the workload and plans, except when
@@ -475,23 +473,16 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         listener.close()  # still ours if rank 0 failed before its store took it over
         for conn in pipes:  # rank 0 failed before sending the workload: release the workers
             conn.send(None)
-        _reap(procs, result.summary.get("lost_workers", []) if result is not None else [])
+        reap(spawner, result.summary.get("lost_workers", []) if result is not None else [])
     assert result is not None
     return result
 
 
-def _reap(procs: list[Any], lost: list[int]) -> None:
-    """Every spawned process has exited when this returns: a dropped worker (hung, or frozen
-    by SIGSTOP) is killed at once, the others get JOIN_TIMEOUT_S to finish, then SIGKILL
-    (SIGTERM would wait on a stopped process, and so would multiprocessing's exit handler)."""
-    for w in lost:
-        procs[w].kill()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
-            log.warning("hetrain: worker process %s did not exit; killing it", p.name)
-            p.kill()
-            p.join(5)
+def reap(spawner: Spawner, lost: list[int]) -> None:
+    """Every spawned rank has exited when this returns: a dropped worker (hung, or frozen
+    by SIGSTOP) is killed at once, the others get JOIN_TIMEOUT_S to finish, then SIGKILL,
+    with a warning naming it."""
+    spawner.reap(JOIN_TIMEOUT_S, now=lost, warn=True)
 
 
 def restarted_job_resumes(run_dir: Path | None, cfg: RunConfig) -> bool:

@@ -34,7 +34,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, Link, Site
 from hetrain.config import RunConfig
@@ -42,6 +41,7 @@ from hetrain.engine import auth, devices
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.spawn import Spawner
 from hetrain.engine.wire import free_port, recv_obj, send_obj
 from hetrain.profile.fit import StepFit, fit_step_time, judge_fits, profile_batch_sizes, sources
 from hetrain.profile.profile import Profile, worker_profiles
@@ -149,15 +149,12 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     dist_engine.check_devices(cfg, base, "ps", (0, n + 1))  # each worker times on its device
     listener = dist_engine.bind_listener(cfg.dist.master_addr, cfg.dist.port)
     port, secret = listener.getsockname()[1], auth.new_secret()
-    ctx = mp.get_context("spawn")
-    procs = []
+    spawner = Spawner()
     for rank in range(1, n + 1):
-        mine, theirs = ctx.Pipe()
+        mine, theirs = spawner.pipe()
         rv = dist_engine.Rendezvous(rank, n + 1, cfg.dist.master_addr, port, secret=secret)
-        p = ctx.Process(target=_worker, args=(rv, cfg, theirs), daemon=True)
-        p.start()
+        spawner.start(_worker, (rv, cfg, theirs), daemon=True)
         mine.send(wl)
-        procs.append(p)
     rv0 = dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port, secret=secret,
                                  listener=listener)
     dist_engine.init_process_group(rv0, cfg)
@@ -182,10 +179,7 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
             send_obj({"kind": "stop"}, w + 1)
     finally:
         dist.destroy_process_group()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
+        spawner.reap(30, stop="terminate")
     fits = tuple(fit_step_time(sizes, r["times"]) for r in replies)
     warning = judge_fits([d.name for d in base.devices], fits, fps, force=force)
     at_b = [statistics.median(r["times"][sizes.index(b)]) for r in replies]
@@ -277,24 +271,19 @@ def measure_overheads(cluster: Cluster, workload: Workload, batch_size: int,
     """Measure `Overheads` with n + 1 processes laid out as the dist engine lays them."""
     world = cluster.n + 1
     port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    args = (world, port, auth.new_secret(), cluster, workload, flops_per_sample(workload), batch_size, time_scale,
-            steps, probes, out)
-    procs = [ctx.Process(target=_overhead_worker, args=(r, *args), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        if p.is_alive():
-            p.terminate()
+    spawner = Spawner()
+    out = spawner.simple_queue()
+    args = (world, port, auth.new_secret(), cluster, workload, flops_per_sample(workload),
+            batch_size, time_scale, steps, probes, out)
+    for r in range(world):
+        spawner.start(_overhead_worker, (r, *args), daemon=True)
+    spawner.reap(300, stop="terminate")
     got = {}
     while not out.empty():
         k, v = out.get()
         got[k] = v
     if set(got) != {"ps", "sync"}:
-        raise RuntimeError(f"overhead probes failed (exit codes {[p.exitcode for p in procs]})")
+        raise RuntimeError(f"overhead probes failed (exit codes {spawner.exit_codes()})")
     return Overheads(got["ps"], got["sync"])
 
 
