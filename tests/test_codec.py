@@ -89,10 +89,12 @@ def test_every_registered_strategy_round_trips_after_training(name: str) -> None
 def _moved_examples() -> list[object]:
     from hetrain.plan.local_steps import FractionalSteps, LocalPlan, OnlineCosts
     from hetrain.profile import Profile, worker_profiles
+    from hetrain.strategies.clock_gate import ClockGate
 
     profile = Profile(worker_profiles(["a", "b"], 8, [0.1, 0.2], [0.01, 0.02], [0.01, 0.02]),
                       1000, 1000, "measured")
-    return [LocalPlan((1, 2), 1.0, (1.0, 1.0)), FractionalSteps(2), OnlineCosts(profile)]
+    return [LocalPlan((1, 2), 1.0, (1.0, 1.0)), FractionalSteps(2), OnlineCosts(profile),
+            ClockGate(2, 1)]
 
 
 def test_a_moved_class_loads_under_its_old_name() -> None:

@@ -65,15 +65,16 @@ ALLOWED_CLASSES = (
     "hetrain.plan.local_steps.OnlineCosts",
     "hetrain.profile.profile.Profile", "hetrain.profile.profile.WorkerProfile",
     "hetrain.report.metrics.WorkerTimes",
-    "hetrain.strategies.ashl.PlateauSwitch", "hetrain.strategies.ssp.ClockGate",
+    "hetrain.strategies.ashl.PlateauSwitch", "hetrain.strategies.clock_gate.ClockGate",
     "hetrain.strategies.base.RunContext",  # its name in older checkpoints
     "hetrain.strategies.base.WorkTask",
     "hetrain.strategies.base.Push", "hetrain.strategies.base.Decision",
     "hetrain.strategies.base.OuterOptimizer",
 )
 RENAMED = {
-    f"hetrain.profile.plan_iterations.{name}": f"hetrain.plan.local_steps.{name}"
-    for name in ("FractionalSteps", "LocalPlan", "OnlineCosts")
+    **{f"hetrain.profile.plan_iterations.{name}": f"hetrain.plan.local_steps.{name}"
+       for name in ("FractionalSteps", "LocalPlan", "OnlineCosts")},
+    "hetrain.strategies.ssp.ClockGate": "hetrain.strategies.clock_gate.ClockGate",
 }
 """Old name -> allowlisted name of a class that moved: checkpoints written before the move
 name it the old way and must still load."""

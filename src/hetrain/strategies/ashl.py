@@ -49,9 +49,9 @@ from hetrain.plan.local_steps import (
 )
 from hetrain.profile import Profile
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.clock_gate import ClockGate
 from hetrain.strategies.options import is_int_at_least, is_number_at_least
 from hetrain.strategies.registry import register
-from hetrain.strategies.ssp import ClockGate
 
 
 class PlateauSwitch:
