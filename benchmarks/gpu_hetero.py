@@ -34,7 +34,7 @@ import torch
 
 from hetrain.cluster import Cluster
 from hetrain.config import RunConfig, config_from_dict
-from hetrain.profile.measure import measure
+from hetrain.engine.measure import measure
 from hetrain.runner import run_config
 from hetrain.workloads import Workload, evaluate, gather, get_workload
 

@@ -40,9 +40,9 @@ from real_peers import LONE, PeerRun, run_peer
 from hetrain.baselines import fastest_alone
 from hetrain.cluster import Cluster, preset
 from hetrain.config import RunConfig, config_from_dict
+from hetrain.engine.measure import Overheads, measure_overheads, with_overheads
 from hetrain.engine.setup import prepare
 from hetrain.engine.sim import simulate
-from hetrain.profile.measure import Overheads, measure_overheads, with_overheads
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
 from hetrain.workloads import Workload, flops_per_sample, get_workload
@@ -303,7 +303,7 @@ def markdown(cmd: str, args: argparse.Namespace, summary: list[dict[str, Any]],
              "target (evaluations every 0.1 epochs; their pauses are off the clock). Predicted = the simulator's TTA x time_scale "
              "(simulated) on the nominal hetero-4 cluster, and on hetero-4 calibrated with "
              "this machine's overheads measured before the runs "
-             f"(`hetrain.profile.measure.measure_overheads`: PS message {over.ps_message_s * 1e3:.2f}"
+             f"(`hetrain.engine.measure.measure_overheads`: PS message {over.ps_message_s * 1e3:.2f}"
              f" ms one way, synchronous step {over.sync_round_s * 1e3:.2f} ms beyond its "
              "slowest budget, real seconds; the first becomes the PS's per-message time, "
              "one message at a time, for PS strategies, the second the ring's LAN latency "

@@ -22,7 +22,14 @@ from scipy.optimize import linprog
 
 from hetrain.cluster import GBIT, preset
 from hetrain.errors import ConfigError
-from hetrain.plan.allocate import RoundWork, allocate, choose_local_steps, plan_round, round_costs
+from hetrain.plan.allocate import (
+    RoundWork,
+    allocate,
+    choose_local_steps,
+    plan_round,
+    round_costs,
+    speed_weighted_local_steps,
+)
 
 
 def lp_makespan(a, b, caps, total, subset) -> float:
@@ -191,3 +198,11 @@ def test_choose_local_steps() -> None:
         choose_local_steps(0.1, 0.05, 1.5)
     with pytest.raises(ConfigError, match="min_steps"):
         choose_local_steps(0.1, 0.05, 0.1, 5, 2)
+
+
+def test_speed_weighted_local_steps_weighs_links_by_speed() -> None:
+    # speeds 1000 and 10000 samples/s, comm 1 s and 0.1 s: the fast device's link counts ten
+    # times as much, comm_w = (1000 * 1 + 10000 * 0.1) / 11000 = 2 / 11 s (the plain mean, 0.55
+    # s, would give 550); H >= (2 / 11) / (0.1 * 0.01) = 181.8
+    assert speed_weighted_local_steps([1.0, 0.1], [1e-3, 1e-4], 0.01, 0.1, 1, 1000) == 182
+    assert speed_weighted_local_steps([1.0, 0.1], [1e-3, 1e-4], 0.01, 0.1, 1, 64) == 64

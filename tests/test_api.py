@@ -73,6 +73,17 @@ def test_user_model_and_dataset_train_on_the_simulator(tmp_path):
     assert json.loads((tmp_path / "blobs" / "summary.json").read_text())["tta_s"] == r.tta_s
 
 
+def test_the_api_takes_the_runners_path(tmp_path, capsys):
+    """A second run of a name moves the first aside, as `hetrain run` does (hetrain.runner)."""
+    for _ in range(2):
+        r = train(Tiny, TRAIN, test_dataset=TEST, runs_dir=tmp_path, name="again",
+                  **{**QUICK, "max_epochs": 0.1})
+    assert isinstance(r.model, Tiny)
+    assert (tmp_path / "again" / "summary.json").is_file()
+    assert (tmp_path / "again.1" / "summary.json").is_file()
+    assert "moved it to" in capsys.readouterr().err
+
+
 def test_same_seed_same_run_and_factory_equals_instance():
     torch.manual_seed(3)
     instance = Tiny()

@@ -13,7 +13,8 @@ import pytest
 from helpers import run_context
 from hetrain.config import config_from_dict
 from hetrain.errors import ConfigError
-from hetrain.profile import Profile, plan_for_comm_fraction, plan_for_fastest
+from hetrain.plan.local_steps import plan_for_comm_fraction, plan_for_fastest
+from hetrain.profile import Profile
 from hetrain.runner import run_config
 from hetrain.strategies import Push, RunContext, make_strategy
 from hetrain.strategies.ashl import PlateauSwitch

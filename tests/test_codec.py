@@ -86,6 +86,28 @@ def test_every_registered_strategy_round_trips_after_training(name: str) -> None
         assert _same(obj, codec.unpack(codec.pack(obj)))
 
 
+def _moved_examples() -> list[object]:
+    from hetrain.plan.local_steps import FractionalSteps, LocalPlan, OnlineCosts
+    from hetrain.profile import Profile, worker_profiles
+    from hetrain.strategies.clock_gate import ClockGate
+
+    profile = Profile(worker_profiles(["a", "b"], 8, [0.1, 0.2], [0.01, 0.02], [0.01, 0.02]),
+                      1000, 1000, "measured")
+    return [LocalPlan((1, 2), 1.0, (1.0, 1.0)), FractionalSteps(2), OnlineCosts(profile),
+            ClockGate(2, 1)]
+
+
+def test_a_moved_class_loads_under_its_old_name() -> None:
+    """A checkpoint written before a class moved names it the old way and still loads."""
+    examples = {codec._key(type(obj)): obj for obj in _moved_examples()}
+    assert set(examples) == set(codec.RENAMED.values())
+    for old, new in codec.RENAMED.items():
+        tree, tensors = codec.to_tree(examples[new])
+        assert tree["o"][0] == new  # written under the new name
+        tree["o"][0] = old
+        assert _same(examples[new], codec.from_tree(tree, tensors))
+
+
 def _crafted(tree: object, tail: bytes = b"") -> torch.Tensor:
     header = json.dumps(tree).encode()
     head = struct.pack("<4sI", codec.MAGIC, len(header)) + header

@@ -1,5 +1,5 @@
 """The benchmark's peers (benchmarks/real_peers.py, real_deepspeed.py, real_torchft.py) and the simulator
-calibration (hetrain.profile.measure.with_overheads / measure_overheads).
+calibration (hetrain.engine.measure.with_overheads / measure_overheads).
 
 DeepSpeed and torchft are optional benchmark dependencies: their tests skip when they are not
 installed."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hetrain.cluster import preset
-from hetrain.profile.measure import Overheads, measure_overheads, with_overheads
+from hetrain.engine.measure import Overheads, measure_overheads, with_overheads
 from hetrain.workloads import flops_per_sample, get_workload
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hetrain.cluster import preset
 from hetrain.strategies import Push, RunContext, make_strategy
-from hetrain.strategies.ssp import ClockGate
+from hetrain.strategies.clock_gate import ClockGate
 
 
 def ctx(train_samples: int = 16_000) -> RunContext:

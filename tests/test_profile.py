@@ -9,23 +9,21 @@ import torch
 
 from hetrain.cluster import Link, preset
 from hetrain.config import config_from_dict
+from hetrain.engine import measure as measure_mod
+from hetrain.engine.measure import Measurement
 from hetrain.engine.setup import prepare
 from hetrain.errors import ConfigError
-from hetrain.profile import (
+from hetrain.plan.local_steps import (
     FractionalSteps,
     OnlineCosts,
-    Profile,
-    WorkerProfile,
     plan_for_comm_fraction,
     plan_for_fastest,
     plan_local_steps,
-    worker_profiles,
 )
-from hetrain.profile import measure as measure_mod
-from hetrain.profile.measure import (
+from hetrain.profile import Profile, WorkerProfile, worker_profiles
+from hetrain.profile.fit import (
     FIX,
     MAX_PLAUSIBLE_FLOPS,
-    Measurement,
     StepFit,
     fit_step_time,
     judge_fits,

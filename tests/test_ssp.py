@@ -10,7 +10,8 @@ from hetrain.config import config_from_dict
 from hetrain.errors import ConfigError
 from hetrain.runner import run_config
 from hetrain.strategies import Decision, Push, make_strategy
-from hetrain.strategies.ssp import SSP, ClockGate
+from hetrain.strategies.clock_gate import ClockGate
+from hetrain.strategies.ssp import SSP
 
 
 def push(worker: int, base: int) -> Push:

@@ -51,12 +51,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, defau
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import RunConfig, StopConfig, WorkloadConfig, config_from_dict
 from hetrain.context import ProgressFn
-from hetrain.engine.checkpoint import checkpoint_path, load_checkpoint
-from hetrain.engine.setup import prepare, run_dir_for
-from hetrain.engine.sim import Simulator
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
-from hetrain.runner import run_config
+from hetrain.runner import run_config_with_model
 from hetrain.strategies import Strategy, make_strategy
 from hetrain.workloads import (
     LoaderOptions,
@@ -589,10 +586,9 @@ def _document(*, name: str, cluster: Any, engine: str, strategy: Any, optimizer:
 
 def _train_sim(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: Strategy,
                runs_dir: str | Path | None, progress: ProgressFn | None) -> TrainResult:
-    sim = Simulator(prepare(cfg, cluster=cluster, workload=workload, strategy=strategy),
-                    run_dir_for(cfg, runs_dir), progress)
-    r = sim.run()
-    return TrainResult(r.name, r.rows, r.summary, r.run_dir, model=sim.server.model)
+    r, model = run_config_with_model(cfg, runs_root=runs_dir, progress=progress,
+                                     cluster=cluster, workload=workload, strategy=strategy)
+    return TrainResult(r.name, r.rows, r.summary, r.run_dir, model=model)
 
 
 def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: Strategy,
@@ -613,13 +609,8 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint=True))
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
         root = Path(runs_dir) if runs_dir is not None else Path(tmp)
-        r = run_config(cfg, runs_root=root, progress=progress, cluster=cluster,
-                       workload=workload, strategy=strategy)
-        model = None
-        run_dir = root / cfg.name
-        if r.summary.get("role") != "worker" and checkpoint_path(run_dir).is_file():
-            model = workload.build_model()
-            model.load_state_dict(load_checkpoint(run_dir, strategy.name).model)
+        r, model = run_config_with_model(cfg, runs_root=root, progress=progress,
+                                         cluster=cluster, workload=workload, strategy=strategy)
     return TrainResult(r.name, r.rows, r.summary, r.run_dir if runs_dir is not None else None,
                        model=model)
 
@@ -705,7 +696,12 @@ def plan_batches(cluster: str | Path | Cluster | Mapping[str, Any], total_batch:
     """
     import numpy as np
 
-    from hetrain.plan.allocate import RoundWork, choose_local_steps, plan_round, round_costs
+    from hetrain.plan.allocate import (
+        RoundWork,
+        plan_round,
+        round_costs,
+        speed_weighted_local_steps,
+    )
     from hetrain.workloads import flops_per_sample as count_flops
 
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(_cluster(cluster)[0])
@@ -728,10 +724,9 @@ def plan_batches(cluster: str | Path | Cluster | Mapping[str, Any], total_batch:
     comm, compute, _ = round_costs(cl, RoundWork(samples=0, flops_per_sample=flops_per_sample,
                                                  model_bytes=mb, steps=0, ship_data=False))
     speed = 1.0 / np.asarray(compute)                      # samples/s of each device
-    if local_steps == 0:  # H from the speed-weighted comm time vs a balanced step
-        step_s = total_batch / float(speed.sum())
-        comm_w = float((speed * np.asarray(comm)).sum() / speed.sum())
-        local_steps = choose_local_steps(comm_w, step_s, comm_fraction, 1, max_local_steps)
+    if local_steps == 0:  # cadp's auto H, at the step time of a balanced split
+        local_steps = speed_weighted_local_steps(comm, compute, total_batch / float(speed.sum()),
+                                                 comm_fraction, 1, max_local_steps)
     work = RoundWork(samples=local_steps * total_batch, flops_per_sample=flops_per_sample,
                      model_bytes=mb, ship_data=False, steps=local_steps,
                      memory_fixed_bytes=4 * mb,

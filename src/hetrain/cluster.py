@@ -122,8 +122,8 @@ class Cluster:
     ps_message_s: float = 0.0
     """Time the PS process is busy per message it sends or receives (framing, (de)serialising,
     copying), one message at a time, in series with the link: what a synchronous round of n
-    workers pays n times over. 0 for the presets; `hetrain.profile.measure_overheads` measures
-    it on a real machine."""
+    workers pays n times over. 0 for the presets; `hetrain.engine.measure.measure_overheads`
+    measures it on a real machine."""
 
     def __post_init__(self) -> None:
         if not self.devices:

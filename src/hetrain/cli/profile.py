@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from hetrain.profile.measure import measure, speed_source
+    from hetrain.engine.measure import measure
+    from hetrain.profile.fit import speed_source
 
     cfg = apply_overrides(load_config(args.config), args.set)
     cfg = dataclasses.replace(cfg, engine="dist")

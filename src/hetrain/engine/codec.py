@@ -61,16 +61,23 @@ ALLOWED_CLASSES = (
     "hetrain.plan.goodput.Costs", "hetrain.plan.goodput.GoodputPlan",
     "hetrain.plan.goodput.StatModel",
     "hetrain.plan.noise.GradProbe", "hetrain.plan.noise.GradientNoiseScale",
-    "hetrain.profile.plan_iterations.FractionalSteps",
-    "hetrain.profile.plan_iterations.LocalPlan", "hetrain.profile.plan_iterations.OnlineCosts",
+    "hetrain.plan.local_steps.FractionalSteps", "hetrain.plan.local_steps.LocalPlan",
+    "hetrain.plan.local_steps.OnlineCosts",
     "hetrain.profile.profile.Profile", "hetrain.profile.profile.WorkerProfile",
     "hetrain.report.metrics.WorkerTimes",
-    "hetrain.strategies.ashl.PlateauSwitch", "hetrain.strategies.ssp.ClockGate",
+    "hetrain.strategies.ashl.PlateauSwitch", "hetrain.strategies.clock_gate.ClockGate",
     "hetrain.strategies.base.RunContext",  # its name in older checkpoints
     "hetrain.strategies.base.WorkTask",
     "hetrain.strategies.base.Push", "hetrain.strategies.base.Decision",
     "hetrain.strategies.base.OuterOptimizer",
 )
+RENAMED = {
+    **{f"hetrain.profile.plan_iterations.{name}": f"hetrain.plan.local_steps.{name}"
+       for name in ("FractionalSteps", "LocalPlan", "OnlineCosts")},
+    "hetrain.strategies.ssp.ClockGate": "hetrain.strategies.clock_gate.ClockGate",
+}
+"""Old name -> allowlisted name of a class that moved: checkpoints written before the move
+name it the old way and must still load."""
 
 
 class CodecError(ValueError):
@@ -91,6 +98,7 @@ def allowed_classes() -> dict[str, type]:
         for name in ALLOWED_CLASSES:
             module, _, qual = name.rpartition(".")
             _classes[name] = getattr(importlib.import_module(module), qual)
+        _classes.update({old: _classes[new] for old, new in RENAMED.items()})
     for cls in REGISTRY.values():
         _classes.setdefault(_key(cls), cls)
     return _classes

@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, load_cluster
 from hetrain.compress import make_compressor
@@ -67,14 +66,15 @@ from hetrain.engine.emulate import calibrated_cluster
 from hetrain.engine.join import JoinDesk
 from hetrain.engine.setup import Prepared, prepare
 from hetrain.engine.signals import worker_signals
+from hetrain.engine.spawn import Spawner
 from hetrain.errors import ConfigError, HetrainError, ReportedElsewhereError
 from hetrain.report.metrics import RunResult
 from hetrain.strategies import Strategy
 from hetrain.validate import check_ps_shard_count
 from hetrain.workloads import Workload, flops_per_sample, workload_from_config
 
-__all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "run_distributed",
-           "run_rank", "spawn_local"]
+__all__ = ["FaultPlan", "Rendezvous", "WorkerLostError", "fail_at", "init_process_group",
+           "run_distributed", "run_rank", "spawn_local"]
 
 log = logging.getLogger("hetrain.dist")
 JOIN_TIMEOUT_S = 30.0
@@ -193,10 +193,19 @@ def rendezvous_store(rv: Rendezvous, timeout: timedelta) -> dist.Store:
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def _init(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None
-          ) -> tuple[dist.Store, str, bool]:
-    """Join the process group and prove the run's secret (hetrain.engine.auth). Returns the
-    rendezvous store, the secret and whether this run generated it (for `hetrain join`)."""
+def init_process_group(rv: Rendezvous, cfg: RunConfig, run_dir: Path | None = None
+                       ) -> tuple[dist.Store, str, bool]:
+    """Join the run's gloo process group at `rv` and prove the run's secret
+    (hetrain.engine.auth): every process of a run joins this way (the engine's ranks, the
+    [parallel] ranks, the profiler's in hetrain.engine.measure). The caller destroys the group
+    (`torch.distributed.destroy_process_group`) when done.
+
+    Sets cfg.train.threads intra-op threads; waits cfg.dist.init_timeout_s for every rank.
+    The secret is rv.secret (a spawned run's), HETRAIN_SECRET, or, on rank 0 with a
+    `run_dir` and neither, one generated into a file there for the other ranks to read.
+    Failures a user can fix (port in use, a rank that never joined, a wrong secret, NCCL
+    without a CUDA build) raise ConfigError in one line. Returns the rendezvous store, the
+    secret and whether this run generated it (for `hetrain join`)."""
     torch.set_num_threads(cfg.train.threads)
     timeout = timedelta(seconds=cfg.dist.init_timeout_s)
     secret = rv.secret or auth.configured_secret()
@@ -264,7 +273,7 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-def _effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workload | None
+def effective_inputs(cfg: RunConfig, cluster: Cluster | None, workload: Workload | None
                       ) -> tuple[Cluster, Workload]:
     """The cluster the run emulates (calibrated for emulate = "relative") and the workload."""
     cluster = cluster or load_cluster(cfg.cluster)
@@ -335,7 +344,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
     if rv.rank == 0:
         prep = prepared
         if prep is None:
-            cluster, workload = _effective_inputs(cfg, cluster, workload)
+            cluster, workload = effective_inputs(cfg, cluster, workload)
             prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
             check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg.dist.ps_shards
@@ -347,7 +356,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
                 f"{world})")
         ps_device = check_devices(cfg, prep.cluster, prep.strategy.comm, rv.layout)
         devices.use(ps_device)
-        store, secret, generated = _init(rv, cfg, run_dir)
+        store, secret, generated = init_process_group(rv, cfg, run_dir)
         try:
             _worker_group(rv.world_size, cfg)
             emulation = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
@@ -363,7 +372,7 @@ def run_rank(rv: Rendezvous, cfg: RunConfig, *, run_dir: Path | None = None,
     compressor = make_compressor(cfg.train.compression, **cfg.train.compression_options)
     if rv.rank <= n:  # a PS shard needs no data
         workload = workload or workload_from_config(cfg.workload)
-    _init(rv, cfg, run_dir)
+    init_process_group(rv, cfg, run_dir)
     try:
         group = _worker_group(rv.world_size, cfg)
         if rv.rank > n:
@@ -423,22 +432,20 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
     listener = bind_listener(cfg_d.master_addr, cfg_d.port)
     port = listener.getsockname()[1]
     secret = auth.new_secret()
-    ctx = mp.get_context("spawn")
-    procs, pipes = [], []
+    spawner = Spawner()
+    pipes = []
 
     def start(world: int) -> None:
         for rank in range(1, world):
-            mine, theirs = ctx.Pipe()
+            mine, theirs = spawner.pipe()
             rv = Rendezvous(rank, world, cfg_d.master_addr, port, secret=secret)
             # Not daemonic, so that a worker can start DataLoader workers (loader
             # num_workers > 0). Daemonic would only add multiprocessing's terminate at this
-            # process's normal exit, and `_reap` (the finally below, however rank 0's part
+            # process's normal exit, and `reap` (the finally below, however rank 0's part
             # ends) has already joined or killed every worker by then; a SIGKILLed rank 0
             # runs neither. Workers also stop by themselves when rank 0's connection breaks.
-            p = ctx.Process(target=_worker_main, args=(rv, cfg, theirs, faults), daemon=False,
-                            name=f"hetrain-worker-{rank}")
-            p.start()
-            procs.append(p)
+            spawner.start(_worker_main, (rv, cfg, theirs, faults), daemon=False,
+                          name=f"hetrain-worker-{rank}")
             pipes.append(mine)
 
     # The workers import torch while this process builds the workload and plans, except when
@@ -450,7 +457,7 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
               + cfg_d.ps_shards)
     result = None
     try:
-        cluster, workload = _effective_inputs(cfg, cluster, workload)
+        cluster, workload = effective_inputs(cfg, cluster, workload)
         prep = prepare(cfg, cluster=cluster, workload=workload, strategy=strategy)
         check_ps_shards_fit(prep)
         world = prep.cluster.n + cfg_d.ps_shards
@@ -466,23 +473,16 @@ def spawn_local(cfg: RunConfig, *, run_dir: Path | None = None,
         listener.close()  # still ours if rank 0 failed before its store took it over
         for conn in pipes:  # rank 0 failed before sending the workload: release the workers
             conn.send(None)
-        _reap(procs, result.summary.get("lost_workers", []) if result is not None else [])
+        reap(spawner, result.summary.get("lost_workers", []) if result is not None else [])
     assert result is not None
     return result
 
 
-def _reap(procs: list[Any], lost: list[int]) -> None:
-    """Every spawned process has exited when this returns: a dropped worker (hung, or frozen
-    by SIGSTOP) is killed at once, the others get JOIN_TIMEOUT_S to finish, then SIGKILL
-    (SIGTERM would wait on a stopped process, and so would multiprocessing's exit handler)."""
-    for w in lost:
-        procs[w].kill()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-        if p.is_alive():
-            log.warning("hetrain: worker process %s did not exit; killing it", p.name)
-            p.kill()
-            p.join(5)
+def reap(spawner: Spawner, lost: list[int]) -> None:
+    """Every spawned rank has exited when this returns: a dropped worker (hung, or frozen
+    by SIGSTOP) is killed at once, the others get JOIN_TIMEOUT_S to finish, then SIGKILL,
+    with a warning naming it."""
+    spawner.reap(JOIN_TIMEOUT_S, now=lost, warn=True)
 
 
 def restarted_job_resumes(run_dir: Path | None, cfg: RunConfig) -> bool:

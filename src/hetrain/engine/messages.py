@@ -48,7 +48,7 @@ SCHEMA: dict[str, tuple[dict[str, Types], dict[str, Types]]] = {
     "block": ({"params": torch.Tensor}, {}),
     "state": ({}, {"model": dict, "optimizer": dict, "params": torch.Tensor, **_FROM_WORKER}),
     "bye": ({}, _FROM_WORKER),
-    # profiling (hetrain.profile.measure)
+    # profiling (hetrain.engine.measure)
     "steps": ({"batch_sizes": list, "steps": int}, {}),
     "step_times": ({"times": list}, {"overruns": int}),
     "ping": ({"data": torch.Tensor}, {}),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -56,7 +55,3 @@ def prepare(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
                 strategy.name, site, cluster.ps_site)
         cluster = dataclasses.replace(cluster, ps_site=site)
     return Prepared(cfg, cluster, workload, strategy, compressor, ctx)
-
-
-def run_dir_for(cfg: RunConfig, runs_root: str | Path | None) -> Path | None:
-    return None if runs_root is None else Path(runs_root) / cfg.name

@@ -5,7 +5,7 @@ Each worker sets one intra-op thread (N processes share a few cores), joins a gl
 process group, runs `fn(rank, world_size, *args)` (which builds its DeviceMeshes with
 `init_device_mesh` after the group exists) and always
 destroys the group. The parent joins with a timeout and kills stragglers, so a hung
-collective fails the caller instead of hanging it. Under torchrun, call `fn` directly with
+collective fails the caller instead of hanging it (hetrain.engine.spawn). Under torchrun, call `fn` directly with
 `init_device_mesh` instead.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from hetrain.engine.spawn import Spawner
 from hetrain.engine.wire import free_port
 
 
@@ -40,13 +40,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 def run_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), timeout_s: float = 120.0) -> list[Any]:
     """fn's return value per rank (fn and args must be picklable: module-level functions)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    spawner = Spawner()
+    results = spawner.queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results),
-                         daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    for r in range(world_size):
+        spawner.start(_worker, (r, world_size, port, fn, args, results), daemon=True)
     out: dict[int, Any] = {}
     errors: list[str] = []
     try:
@@ -60,12 +58,7 @@ def run_local(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (
     except queue.Empty:
         errors.append(f"timed out after {timeout_s:.0f} s waiting for {world_size - len(out)} rank(s)")
     finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        spawner.reap(10 if not errors else 1)
     if errors:
         raise RuntimeError("distributed run failed: " + "\n".join(errors))
     return [out[r] for r in range(world_size)]

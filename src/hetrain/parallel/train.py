@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from hetrain.cluster import Cluster, load_cluster
@@ -785,7 +784,7 @@ def _rank_main(rv: Any, cfg: RunConfig, setup: Setup, run_dir: Path | None) -> N
     worker_signals()  # rank 0 decides when the run ends
     cluster = load_cluster(cfg.cluster)
     workload = workload_from_config(cfg.workload)
-    store, _, _ = engine._init(rv, cfg, run_dir)
+    store, _, _ = engine.init_process_group(rv, cfg, run_dir)
     try:
         train_rank(cfg, setup, workload, cluster, run_dir, store=store)
     except engine.ConnectionLostError:
@@ -842,7 +841,7 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
         from hetrain.engine.signals import worker_signals
 
         worker_signals()  # rank 0 decides when the run ends (SIGTERM: a grace period)
-    store, _, _ = engine._init(rv, cfg, run_dir)
+    store, _, _ = engine.init_process_group(rv, cfg, run_dir)
     try:
         setup = Setup(**broadcast_from_rank0(dataclasses.asdict(setup) if setup is not None
                                              else None))
@@ -864,6 +863,7 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
     from hetrain.engine import auth
     from hetrain.engine import dist as engine
     from hetrain.engine.dist_server import WorkerLostError
+    from hetrain.engine.spawn import Spawner
 
     setup = make_setup(cfg, cluster, workload)  # every refusal before any process starts
     if cfg.train.resume:
@@ -872,32 +872,29 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
     listener = engine.bind_listener(d.master_addr, d.port)
     port = listener.getsockname()[1]
     secret = auth.new_secret()
-    ctx = mp.get_context("spawn")
-    procs: list[Any] = []
+    spawner = Spawner()
     lost: list[int] = []
     result = None
     try:
         for rank in range(1, cluster.n):
             rv = engine.Rendezvous(rank, cluster.n, d.master_addr, port, secret=secret)
-            p = ctx.Process(target=_rank_main, args=(rv, cfg, setup, run_dir), daemon=False,
-                            name=f"hetrain-parallel-{rank}")
-            p.start()
-            procs.append(p)
+            spawner.start(_rank_main, (rv, cfg, setup, run_dir), daemon=False,
+                          name=f"hetrain-parallel-{rank}")
         rv0 = engine.Rendezvous(0, cluster.n, d.master_addr, port, secret=secret,
                                 listener=listener)
         torch.set_num_threads(cfg.train.threads)
-        store, _, _ = engine._init(rv0, cfg, run_dir)
+        store, _, _ = engine.init_process_group(rv0, cfg, run_dir)
         try:
             result = train_rank(cfg, setup, workload, cluster, run_dir, progress, store=store)
         except WorkerLostError:
-            lost = list(range(len(procs)))  # the run is over: no rank waits to be told
+            lost = list(range(len(spawner.procs)))  # the run is over: no rank waits to be told
             raise
         finally:
             dist.destroy_process_group()
     finally:
         listener.close()
-        engine._reap(procs, lost)
-    failed = [p.name for p in procs if p.exitcode not in (0, None)]
+        engine.reap(spawner, lost)
+    failed = [p.name for p in spawner.procs if p.exitcode not in (0, None)]
     if failed:
         raise RuntimeError(f"[parallel]: process(es) {', '.join(failed)} failed (see above)")
     assert result is not None

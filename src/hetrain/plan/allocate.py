@@ -292,3 +292,15 @@ def choose_local_steps(comm_s: float, step_s: float, comm_fraction: float,
         raise ConfigError(f"step time must be > 0 seconds, got {step_s}")
     need = math.ceil(max(0.0, comm_s) / (comm_fraction * step_s) - 1e-9)
     return int(min(max_steps, max(min_steps, need)))
+
+
+def speed_weighted_local_steps(comm_s: Sequence[float], compute_s: Sequence[float],
+                               step_s: float, comm_fraction: float, min_steps: int = 1,
+                               max_steps: int = 64) -> int:
+    """H for a round whose shares follow the devices' speeds (every device busy step_s per
+    step): `choose_local_steps` on the pull + push times `comm_s` weighted by each device's
+    speed 1 / compute_s (seconds per sample), since a faster device carries more of the round.
+    C-ADP's auto H (strategies/cadp.py) and `hetrain.plan_batches`' local_steps=0."""
+    speed = 1.0 / np.asarray(compute_s)
+    comm_w = float((speed * np.asarray(comm_s)).sum() / speed.sum())
+    return choose_local_steps(comm_w, step_s, comm_fraction, min_steps, max_steps)

@@ -8,8 +8,8 @@ from two sources:
   bytes / bandwidth on the worker's path to the PS). The simulator charges exactly these
   times (minus queueing on the PS's NIC when several transfers overlap), so this profile is
   what a timer would measure on the virtual clock.
-- the real engine's profiler (`hetrain.profile.measure`), which times steps and transfers and
-  builds the same type with `source = "measured"`.
+- the real engine's profiler (`hetrain.engine.measure`), which times steps and transfers,
+  fits them (`hetrain.profile.fit`) and builds the same type with `source = "measured"`.
 
 Strategies refine their own cost estimates online from `Push.compute_s`, never from clocks.
 """

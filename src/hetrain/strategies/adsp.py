@@ -41,7 +41,8 @@ import math
 from dataclasses import dataclass
 
 from hetrain.errors import ConfigError
-from hetrain.profile import FractionalSteps, OnlineCosts, Profile, commit_round_cap_s
+from hetrain.plan.local_steps import FractionalSteps, OnlineCosts, commit_round_cap_s
+from hetrain.profile import Profile
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
 from hetrain.strategies.options import is_int_at_least, is_number_at_least
 from hetrain.strategies.registry import register

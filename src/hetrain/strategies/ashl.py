@@ -39,19 +39,19 @@ import math
 from dataclasses import dataclass
 
 from hetrain.errors import ConfigError
-from hetrain.profile import (
+from hetrain.plan.local_steps import (
     FractionalSteps,
     LocalPlan,
     OnlineCosts,
-    Profile,
     commit_round_cap_s,
     plan_for_comm_fraction,
     plan_for_fastest,
 )
+from hetrain.profile import Profile
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.clock_gate import ClockGate
 from hetrain.strategies.options import is_int_at_least, is_number_at_least
 from hetrain.strategies.registry import register
-from hetrain.strategies.ssp import ClockGate
 
 
 class PlateauSwitch:

@@ -22,7 +22,7 @@ Sizes. The mean per-worker batch B is at least train.batch_size and large enough
 per-step overhead stays under overhead_fraction of a step: a step lasts tau = B / v_mean on every
 device, so B >= step_overhead_s * v_mean / overhead_fraction. H (auto) makes the speed-weighted
 communication time at most comm_fraction of a round: H >= comm_w / (comm_fraction * tau)
-(plan.allocate.choose_local_steps), clamped to [min_local_steps, max_local_steps] and to at
+(plan.allocate.speed_weighted_local_steps), clamped to [min_local_steps, max_local_steps] and to at
 least one synchronisation per epoch; B is also capped so that an epoch has at least
 min_steps_per_epoch global steps. S = H * n * B samples per round; shares come from
 plan.allocate.allocate (exact water-filling + optimal integer rounding in units of H samples).
@@ -44,7 +44,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hetrain.errors import ConfigError
-from hetrain.plan.allocate import Allocation, RoundWork, allocate, choose_local_steps, round_costs
+from hetrain.plan.allocate import (
+    Allocation,
+    RoundWork,
+    allocate,
+    round_costs,
+    speed_weighted_local_steps,
+)
 from hetrain.strategies.base import Decision, OuterOptimizer, Push, RunContext, Strategy, WorkTask
 from hetrain.strategies.registry import register
 
@@ -147,10 +153,10 @@ class CADP(Strategy):
         self.mean_batch = self.batch_size or max(ctx.batch_size, min(overhead_bound, epoch_bound))
         self.global_batch = n * self.mean_batch
         step_s = self.mean_batch / v_mean
-        comm_w = float((speed * self._comm_s).sum() / speed.sum())
         self.steps = self.local_steps or min(
-            choose_local_steps(comm_w, step_s, self.comm_fraction, self.min_local_steps,
-                               self.max_local_steps),
+            speed_weighted_local_steps(self._comm_s, self._compute_s, step_s,
+                                       self.comm_fraction, self.min_local_steps,
+                                       self.max_local_steps),
             max(self.min_local_steps, ctx.train_samples // self.global_batch))
         self.samples_per_round = self.steps * self.global_batch
         ratio = self.global_batch / (n * ctx.batch_size)

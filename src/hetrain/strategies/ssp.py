@@ -6,7 +6,7 @@ iterations ahead of the slowest: it is released iff c_w - min_v c_v <= s, otherw
 until the slowest catches up. Hence the iteration each worker is running is never more than
 s ahead of the slowest worker's (the slowest is never held), completed clocks differ by at
 most s + 1 (a finished, held worker), and s = 0 is bulk-synchronous pacing. The gate is a
-small class of its own, because ASHL's SHL stage uses the same bound on commits.
+class of its own (clock_gate.py), because ASHL's SHL stage uses the same bound on commits.
 """
 
 from __future__ import annotations
@@ -16,61 +16,9 @@ from dataclasses import dataclass
 from hetrain.errors import ConfigError
 from hetrain.strategies.asp import ASP
 from hetrain.strategies.base import Decision, Push, RunContext
+from hetrain.strategies.clock_gate import ClockGate
 from hetrain.strategies.options import is_int_at_least
 from hetrain.strategies.registry import register
-
-
-class ClockGate:
-    """Bounded staleness on per-worker clocks (pushes completed); bound None: never hold."""
-
-    def __init__(self, n: int, bound: int | None) -> None:
-        self.clocks = [0] * n
-        self.bound = bound
-        self.held: set[int] = set()
-        self.alive = set(range(n))
-        self.max_gap = 0
-        """Largest max - min of completed clocks ever seen (<= bound + 1)."""
-        self.holds = 0
-        """Pushes after which the worker had to wait."""
-
-    def min_clock(self) -> int:
-        return min(self.clocks[w] for w in self.alive)
-
-    def _ready(self) -> tuple[int, ...]:
-        m = self.min_clock()
-        ready = tuple(sorted(v for v in self.held
-                             if self.bound is None or self.clocks[v] - m <= self.bound))
-        self.held.difference_update(ready)
-        return ready
-
-    def tick(self, worker: int) -> tuple[int, ...]:
-        """Count worker's push; return the workers that may start their next iteration now."""
-        self.clocks[worker] += 1
-        self.max_gap = max(self.max_gap,
-                           max(self.clocks[w] for w in self.alive) - self.min_clock())
-        self.held.add(worker)
-        ready = self._ready()
-        if worker not in ready:
-            self.holds += 1
-        return ready
-
-    def set_bound(self, bound: int | None) -> tuple[int, ...]:
-        """Change the bound; return held workers it frees."""
-        self.bound = bound
-        return self._ready()
-
-    def join(self, worker: int) -> None:
-        """A replacement takes a lost worker's slot at the slowest live clock: the minimum
-        does not move, so nobody is held for it, and it is not held itself."""
-        self.clocks[worker] = self.min_clock() if self.alive else 0
-        self.alive.add(worker)
-        self.held.discard(worker)
-
-    def drop(self, worker: int) -> tuple[int, ...]:
-        """A lost worker no longer paces the others."""
-        self.alive.discard(worker)
-        self.held.discard(worker)
-        return self._ready() if self.alive else ()
 
 
 @register

@@ -1,14 +1,11 @@
 """Profiling on the real engine: time each worker's steps and its link to rank 0 (ASHL stage 0).
 
-The same processes as a dist run (rank 0 + one worker per device, gloo, the same emulation),
-but instead of training they answer three probes:
+The same processes as a dist run (rank 0 + one worker per device, gloo, the same emulation,
+joined by `dist.init_process_group`), but instead of training they answer three probes:
 
 - steps: every worker, all at once (as in training, so contention is included), times
-  `steps` SGD steps at each of the batch sizes b/2, b, 2b (interleaved); a least-squares line
-  through every repeat gives t(b) = a + c b  ->  step_overhead_s = a,
-  flops = flops_per_sample / c (`fit_step_time`). A fit that cannot be a speed (c <= 0, more
-  than MAX_PLAUSIBLE_FLOPS, repeats spread more than MAX_SPREAD) is refused (ConfigError)
-  unless forced, and then written with a warning (`judge_fits`): never silently.
+  `steps` SGD steps at each of the batch sizes b/2, b, 2b (interleaved); the line through
+  every repeat and the judgement of whether it can be a speed are `hetrain.profile.fit`'s.
 - ping: rank 0 sends a tiny message to one worker at a time and times the echo
   (round trip = 2 latency).
 - pull/push: a model-sized message to the worker, and a model-sized answer back; each leg
@@ -37,7 +34,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from hetrain.cluster import Cluster, Link, Site
 from hetrain.config import RunConfig
@@ -45,116 +41,13 @@ from hetrain.engine import auth, devices
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.spawn import Spawner
 from hetrain.engine.wire import free_port, recv_obj, send_obj
-from hetrain.errors import ConfigError
+from hetrain.profile.fit import StepFit, fit_step_time, judge_fits, profile_batch_sizes, sources
 from hetrain.profile.profile import Profile, worker_profiles
 from hetrain.workloads import Workload, flops_per_sample, map_tensors
 
 FAST = Link(1e15, 0.0)
-
-
-MAX_PLAUSIBLE_FLOPS = 1e16
-"""10 PFLOP/s per device, above any accelerator's training throughput: a fit implying more
-is timing noise (t(2b) barely above t(b)), not a speed."""
-MAX_SPREAD = 0.5
-"""Largest relative spread (interquartile range / median) of the repeats at one batch size
-that a fit is trusted with."""
-BATCH_FACTORS = (0.5, 1.0, 2.0)
-"""Batch sizes timed, as multiples of train.batch_size (no larger: 4b may not fit in memory)."""
-FIX = "more --steps, a quieter machine, or --force"
-
-
-@dataclass(frozen=True)
-class StepFit:
-    """t(b) = overhead_s + per_sample_s * b, least squares over every repeat."""
-
-    overhead_s: float
-    per_sample_s: float
-    spread: float
-    """Largest interquartile range / median of the repeats at one batch size (0: one repeat)."""
-
-    def flops(self, flops_per_sample: float) -> float:
-        """The implied FLOP/s (inf if the per-sample cost is not positive)."""
-        return flops_per_sample / self.per_sample_s if self.per_sample_s > 0 else float("inf")
-
-
-def profile_batch_sizes(batch_size: int) -> tuple[int, ...]:
-    """The distinct batch sizes timed for `batch_size` (at least 2: b and 2b always differ)."""
-    return tuple(sorted({max(1, round(f * batch_size)) for f in BATCH_FACTORS}))
-
-
-def fit_step_time(batch_sizes: Sequence[int], times: Sequence[Sequence[float]]) -> StepFit:
-    """Fit t(b) = a + c b to every repeat (`times[i]` are those at `batch_sizes[i]`).
-
-    All repeats, not their medians, so the spread between repeats weighs on the line as it
-    should; the spread itself is reported for `fit_problem` to judge.
-    """
-    if len(batch_sizes) != len(times) or any(not ts for ts in times):
-        raise ValueError("one non-empty list of times per batch size")
-    if len(set(batch_sizes)) < 2:
-        raise ValueError(f"need at least 2 distinct batch sizes, got {list(batch_sizes)}")
-    pts = [(float(b), float(t)) for b, ts in zip(batch_sizes, times, strict=True) for t in ts]
-    bm = statistics.fmean(b for b, _ in pts)
-    tm = statistics.fmean(t for _, t in pts)
-    c = sum((b - bm) * (t - tm) for b, t in pts) / sum((b - bm) ** 2 for b, _ in pts)
-    spread = 0.0
-    for ts in times:
-        if len(ts) > 1:
-            q1, med, q3 = statistics.quantiles(ts, n=4, method="inclusive")
-            spread = max(spread, (q3 - q1) / med if med > 0 else float("inf"))
-    return StepFit(tm - c * bm, c, spread)
-
-
-def fit_problem(fit: StepFit, flops_per_sample: float) -> str | None:
-    """Why `fit` cannot be a device's speed (None: it can)."""
-    if fit.per_sample_s <= 0:
-        return (f"per-sample cost {fit.per_sample_s:.3g} s is not positive (the step time "
-                "does not grow with the batch)")
-    if fit.flops(flops_per_sample) > MAX_PLAUSIBLE_FLOPS:
-        return (f"implied {fit.flops(flops_per_sample):.3g} FLOP/s is above the "
-                f"{MAX_PLAUSIBLE_FLOPS:.3g} of MAX_PLAUSIBLE_FLOPS")
-    if fit.spread > MAX_SPREAD:
-        return f"repeats spread {fit.spread:.0%} of their median (> {MAX_SPREAD:.0%})"
-    return None
-
-
-def judge_fits(names: Sequence[str], fits: Sequence[StepFit], flops_per_sample: float, *,
-               force: bool) -> str | None:
-    """Refuse implausible fits in one line (ConfigError) or, forced, return the warning line
-    to print (None: every fit is plausible)."""
-    problems = [f"{name}: {why}" for name, fit in zip(names, fits, strict=True)
-                if (why := fit_problem(fit, flops_per_sample)) is not None]
-    if not problems:
-        return None
-    if not force:
-        raise ConfigError(f"profile refused, implausible timing on {'; '.join(problems)}; "
-                          f"fix: {FIX}")
-    return (f"writing an implausible profile (--force) for {'; '.join(problems)}; a "
-            "per-sample cost that is not positive is replaced by the whole step time at "
-            "batch b")
-
-
-def sources(mode: str, time_scale: float, cluster_name: str) -> str:
-    """One line saying where the figures come from: this machine or the emulated cluster."""
-    if mode == "none":
-        return "measured: device speeds and links are this machine's (dist.emulate = none)"
-    what = ("the cluster's devices" if mode == "cluster" else
-            "this machine's solo step time x dist.contention_k x the cluster's slowdowns")
-    return (f"emulated (dist.emulate = {mode}, time_scale {time_scale:g}): device speeds are "
-            f"{what} and links those of cluster '{cluster_name}', as the throttle pads them "
-            "on real processes; not this machine's hardware")
-
-
-def speed_source(mode: str, overruns: int, timed: int) -> str:
-    """Where one device's speed comes from: a step that overran its emulated budget took this
-    machine's time, not the emulated device's."""
-    if mode == "none":
-        return "measured"
-    if overruns >= timed:
-        return "measured, not emulated: every step overran the emulated budget"
-    if overruns:
-        return f"emulated, {overruns} of {timed} steps overran: partly this machine's"
-    return "emulated"
 
 
 def _step_times_s(wl: Workload, throttle: Throttle, batch_sizes: Sequence[int], steps: int,
@@ -190,7 +83,7 @@ def _step_times_s(wl: Workload, throttle: Throttle, batch_sizes: Sequence[int], 
 def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> None:
     torch.set_num_threads(cfg.train.threads)
     wl = conn.recv()
-    dist_engine._init(rv, cfg)
+    dist_engine.init_process_group(rv, cfg)
     try:
         setup, _ = recv_obj(0)
         w, cluster, em = setup["worker"], setup["cluster"], setup["emulation"]
@@ -249,24 +142,22 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     Raises ConfigError, naming the devices, if a fit is implausible and not `force`.
     """
     # the cluster a run of cfg emulates (for emulate = "relative": calibrated on this machine)
-    base, wl = dist_engine._effective_inputs(cfg, cluster, workload)
+    base, wl = dist_engine.effective_inputs(cfg, cluster, workload)
     fps = flops_per_sample(wl)
     n, b = base.n, cfg.train.batch_size
     sizes = profile_batch_sizes(b)
     dist_engine.check_devices(cfg, base, "ps", (0, n + 1))  # each worker times on its device
     listener = dist_engine.bind_listener(cfg.dist.master_addr, cfg.dist.port)
     port, secret = listener.getsockname()[1], auth.new_secret()
-    ctx = mp.get_context("spawn")
-    procs = []
+    spawner = Spawner()
     for rank in range(1, n + 1):
-        mine, theirs = ctx.Pipe()
+        mine, theirs = spawner.pipe()
         rv = dist_engine.Rendezvous(rank, n + 1, cfg.dist.master_addr, port, secret=secret)
-        p = ctx.Process(target=_worker, args=(rv, cfg, theirs), daemon=True)
-        p.start()
+        spawner.start(_worker, (rv, cfg, theirs), daemon=True)
         mine.send(wl)
-        procs.append(p)
-    dist_engine._init(dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port,
-                                             secret=secret, listener=listener), cfg)
+    rv0 = dist_engine.Rendezvous(0, n + 1, cfg.dist.master_addr, port, secret=secret,
+                                 listener=listener)
+    dist_engine.init_process_group(rv0, cfg)
     import torch.distributed as dist
     try:
         em = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
@@ -288,10 +179,7 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
             send_obj({"kind": "stop"}, w + 1)
     finally:
         dist.destroy_process_group()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
+        spawner.reap(30, stop="terminate")
     fits = tuple(fit_step_time(sizes, r["times"]) for r in replies)
     warning = judge_fits([d.name for d in base.devices], fits, fps, force=force)
     at_b = [statistics.median(r["times"][sizes.index(b)]) for r in replies]
@@ -383,24 +271,19 @@ def measure_overheads(cluster: Cluster, workload: Workload, batch_size: int,
     """Measure `Overheads` with n + 1 processes laid out as the dist engine lays them."""
     world = cluster.n + 1
     port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    args = (world, port, auth.new_secret(), cluster, workload, flops_per_sample(workload), batch_size, time_scale,
-            steps, probes, out)
-    procs = [ctx.Process(target=_overhead_worker, args=(r, *args), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        if p.is_alive():
-            p.terminate()
+    spawner = Spawner()
+    out = spawner.simple_queue()
+    args = (world, port, auth.new_secret(), cluster, workload, flops_per_sample(workload),
+            batch_size, time_scale, steps, probes, out)
+    for r in range(world):
+        spawner.start(_overhead_worker, (r, *args), daemon=True)
+    spawner.reap(300, stop="terminate")
     got = {}
     while not out.empty():
         k, v = out.get()
         got[k] = v
     if set(got) != {"ps", "sync"}:
-        raise RuntimeError(f"overhead probes failed (exit codes {[p.exitcode for p in procs]})")
+        raise RuntimeError(f"overhead probes failed (exit codes {spawner.exit_codes()})")
     return Overheads(got["ps"], got["sync"])
 
 
