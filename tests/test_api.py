@@ -326,3 +326,23 @@ def test_plan_batches_respects_memory_and_validates():
         plan_batches("hetero-4", 64)
     with pytest.raises(ConfigError, match="total_batch"):
         plan_batches("hetero-4", 0, flops_per_sample=1e6)
+
+
+def test_torchrun_scratch_is_shared_per_job_and_private(tmp_path, monkeypatch):
+    """Without runs_dir, torchrun's ranks on one machine share one folder per job (rank 0's
+    generated secret is read there), and a folder other users could write is refused."""
+    from hetrain.api import _torchrun_scratch
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    for k, v in (("TORCHELASTIC_RUN_ID", "job/1"), ("MASTER_ADDR", "127.0.0.1"),
+                 ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(k, v)
+    a = _torchrun_scratch()
+    assert a == _torchrun_scratch() and a.parent == tmp_path and "/" not in a.name[8:]
+    assert a.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert _torchrun_scratch() != a  # another job, another folder
+    a.chmod(0o777)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError, match="not a folder private to this user"):
+        _torchrun_scratch()

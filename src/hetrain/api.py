@@ -38,6 +38,9 @@ import functools
 import hashlib
 import os
 import pickle
+import re
+import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -607,12 +610,40 @@ def _train_dist(cfg: RunConfig, cluster: Cluster, workload: Workload, strategy: 
                               f"'__main__':`") from e
     if runs_dir is None:  # the model comes back through a checkpoint in a temporary directory
         cfg = cfg.replace(train=dataclasses.replace(cfg.train, checkpoint=True))
+    if runs_dir is None and "RANK" in os.environ:
+        root = _torchrun_scratch()
+        try:
+            r, model = run_config_with_model(cfg, runs_root=root, progress=progress,
+                                             cluster=cluster, workload=workload,
+                                             strategy=strategy)
+        finally:  # the secret went at the handshake; rank 0's checkpoint goes now
+            if os.environ.get("RANK") == "0":
+                shutil.rmtree(root, ignore_errors=True)
+        return TrainResult(r.name, r.rows, r.summary, None, model=model)
     with tempfile.TemporaryDirectory(prefix="hetrain-") as tmp:
         root = Path(runs_dir) if runs_dir is not None else Path(tmp)
         r, model = run_config_with_model(cfg, runs_root=root, progress=progress,
                                          cluster=cluster, workload=workload, strategy=strategy)
     return TrainResult(r.name, r.rows, r.summary, r.run_dir if runs_dir is not None else None,
                        model=model)
+
+
+def _torchrun_scratch() -> Path:
+    """The folder the ranks of one machine share under torchrun when the script passes no
+    runs_dir: rank 0 writes the run's generated secret there for the others to read (a
+    private temporary folder per rank hid it: every worker stopped with "no secret") and its
+    checkpoint, from which the model comes back. One per job (torchrun's run id and master
+    port), this user's only (0700, checked): on several machines set HETRAIN_SECRET."""
+    env = os.environ
+    job = "-".join(env.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    safe_job = re.sub(r"[^A-Za-z0-9.-]", "_", job)
+    path = Path(tempfile.gettempdir()) / f"hetrain-{os.getuid()}-{safe_job}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{path} is not a folder private to this user (torchrun ranks share "
+                          f"it without runs_dir); remove it, or pass runs_dir to train()")
+    return path
 
 
 def _scheduler_callables(options: Mapping[str, Any], key: str = "scheduler"
