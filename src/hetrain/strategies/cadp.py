@@ -59,6 +59,7 @@ class CADP(Strategy):
     name = "cadp"
     comm = "ps"
     update = "delta"
+    weights = "average"
 
     local_steps: int = 0
     """H, local steps between two synchronisations; 0: auto from the comm/compute ratio."""
