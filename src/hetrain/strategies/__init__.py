@@ -10,17 +10,20 @@ from hetrain.strategies.base import (
     Strategy,
     WorkTask,
 )
+from hetrain.strategies.contract import ContractError, check_decision
 from hetrain.strategies.registry import REGISTRY, make_strategy, register, strategy_options
 
 __all__ = [
     "REGISTRY",
     "BarrierMixin",
+    "ContractError",
     "Decision",
     "OuterOptimizer",
     "Push",
     "RunContext",
     "Strategy",
     "WorkTask",
+    "check_decision",
     "make_strategy",
     "register",
     "strategy_options",

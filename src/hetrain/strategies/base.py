@@ -14,6 +14,46 @@ An engine (the simulator or torch.distributed) runs this loop and a strategy dec
 workers; engines charge a collective instead of point-to-point PS traffic. Strategies see
 times only as data (`Push.arrival_s`, measured compute times), so the same object drives a
 virtual clock or a wall clock.
+
+The contract
+------------
+An engine sees every live worker as *busy* (released: it computes its task and owes a push) or
+*waiting* (it pushed, or a replacement process joined its slot, and nobody released it since).
+The engine releases every worker once at the start, without a Decision; it calls `next_task(w)`
+once per release, as it sends the task (a strategy may count w as in flight from then on); it
+calls `on_push` only for a busy worker, which is waiting from then on; it carries a Decision
+out by applying first (one server update, if `apply` is not empty), then releasing. A lost
+worker (`on_worker_lost`; PS strategies only, an all-reduce run stops at a loss) is neither
+busy nor waiting: the engine drops the pushes it held and ignores it until `on_worker_joined`
+makes it a waiting worker again. A strategy's answers (a `Decision`; None from the two hooks
+means an empty one) keep these rules:
+
+1. Release only waiting workers, each at most once per Decision: never a busy one (its push is
+   owed; a second task would overwrite the first) nor a lost one.
+2. Apply only held pushes: a worker appears in `apply` at most as often as the engine holds
+   pushes of it that no earlier Decision applied (each entry takes its oldest); a lost worker's
+   are gone.
+3. Weights are finite and >= 0 (0 discards a push). Where `weights = "average"` (ddp,
+   local_sgd, cadp, auto) the weights of a Decision sum to 1, the update being a weighted mean,
+   or are all 0 (a Decision that only discards); where "scaled" (asp, ssp, adsp, ashl) each is
+   the strategy's own step size for one push, as its docstring says.
+4. No deadlock: once a Decision is carried out some live worker is busy (unless none is live),
+   since only a push can free a waiting one. The one exception is the default `on_worker_lost`,
+   which leaves a barrier waiting for the lost worker; the engine then stops the run with a
+   checkpoint.
+5. Fairness: while the busy workers go on pushing, every waiting worker is released within a
+   bounded number of pushes, except the ones the strategy plans no work for (cadp and auto park
+   zero-share devices).
+6. A strategy is a dataclass whose init fields are its options (the config's [strategy] table,
+   `make_strategy`); it pickles, with its defaults and between any two calls after setup (the
+   dist server snapshots it after every update; checkpoints hold it through
+   `hetrain.engine.codec`); it is deterministic, with no clocks, I/O or unseeded randomness
+   (times reach it as data, in `Push`), so a restored copy answers exactly as the original.
+
+`hetrain.strategies.contract.check_decision` checks rules 1-4 one Decision at a time;
+tests/test_strategy_contract.py drives every registered strategy through random engine
+histories (pushes in and out of time order, losses, joins) and checks all six (the codec's
+part of rule 6: tests/test_codec.py).
 """
 
 from __future__ import annotations
@@ -94,6 +134,7 @@ class OuterOptimizer:
 
 Update = Literal["gradient", "delta"]
 Comm = Literal["ps", "allreduce"]
+Weights = Literal["average", "scaled"]
 
 
 @dataclass
@@ -110,6 +151,9 @@ class Strategy(ABC):
     name: ClassVar[str] = "base"
     comm: ClassVar[Comm] = "ps"
     update: ClassVar[Update] = "delta"
+    weights: ClassVar[Weights] = "scaled"
+    """What the weights of one Decision's `apply` sum to (the contract's rule 3): "average", 1;
+    "scaled", nothing fixed (each weight is the strategy's own step size for one push)."""
 
     ctx: RunContext | None = field(default=None, init=False, repr=False)
 

@@ -65,6 +65,7 @@ class CADP(Strategy):
     name = "cadp"
     comm = "ps"
     update = "delta"
+    weights = "average"
 
     local_steps: int = 0
     """H, local steps between two synchronisations; 0: auto from the comm/compute ratio."""
@@ -239,15 +240,19 @@ class CADP(Strategy):
 
     def on_worker_lost(self, worker: int) -> Decision | None:
         """Re-plan without the lost device: its share goes to the others (its cap becomes 0),
-        and a round that was only waiting for it completes now with the pushes it has."""
+        and a round that was only waiting for it completes now with the pushes it has. A push
+        it made leaves the round with it: the engine drops a lost worker's pushes (applying
+        one failed, and it counted towards a round it could close before a member pushed). A
+        round left without members closes at once, so the waiting devices are not stranded."""
         self._lost.add(worker)
         self._inflight.discard(worker)
         self._caps = np.where(np.arange(len(self._caps)) == worker, 0.0, self._caps)
         self._members.discard(worker)
-        if worker not in self._pending:
-            self._replan()
-            self.replans += 1
-        return self._close_round() if self._pending else None
+        self._pending.pop(worker, None)
+        self._strays = [w for w in self._strays if w != worker]
+        self._replan()
+        self.replans += 1
+        return self._close_round() if self._pending or not self._members else None
 
     def on_worker_joined(self, worker: int) -> Decision | None:
         """A replacement process took the device's slot: plan with it again (its cap back,

@@ -20,6 +20,7 @@ class DDP(BarrierMixin, Strategy):
     name = "ddp"
     comm = "allreduce"
     update = "gradient"
+    weights = "average"
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)

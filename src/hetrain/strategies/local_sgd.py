@@ -30,6 +30,7 @@ class LocalSGD(BarrierMixin, Strategy):
     name = "local_sgd"
     comm = "allreduce"
     update = "delta"
+    weights = "average"
 
     local_steps: int = 8
     """Inner steps between two averagings (H)."""
