@@ -30,7 +30,6 @@ simulator's evaluations take no virtual time either).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -44,33 +43,29 @@ import torch
 from hetrain.context import ProgressFn
 from hetrain.engine import codec
 from hetrain.engine.checkpoint import (
-    ServerState,
     check_ps_shards,
     load_checkpoint,
     save_checkpoint,
 )
 from hetrain.engine.core import (
     Buffered,
-    DataOwner,
     Server,
     copy_flat_into,
     next_task,
-    observe_evaluations,
     plateau_factor,
-    schedule_metrics,
     take_applied,
 )
 from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
 from hetrain.engine.join import POLL_S, Admitted, JoinDesk
+from hetrain.engine.loop import RunLoop
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
 from hetrain.engine.wire import Inbox, Link, Outbox, send_obj, set_message_limit
 from hetrain.errors import ConfigError, HetrainError
 from hetrain.plan.noise import GradProbe
-from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
-from hetrain.strategies import Decision, Push
-from hetrain.workloads import BatchLoader, evaluate_workload
+from hetrain.report.metrics import MetricsLog, RunResult
+from hetrain.strategies import Decision, Push, Strategy
 
 log = logging.getLogger("hetrain.dist")
 
@@ -86,15 +81,13 @@ class Coordinator:
                  emulation: dict[str, Any], ps_device: torch.device | None = None,
                  joins: JoinDesk | None = None) -> None:
         self.p, self.cfg = prep, prep.cfg
-        self.strategy = prep.strategy
-        codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
-        self.run_dir, self.progress = run_dir, progress
+        codec.allow(type(prep.strategy))  # its checkpoints hold it, even if unregistered
+        self.run_dir = run_dir
         self.emulation = emulation
         n = prep.cluster.n
         torch.manual_seed(self.cfg.train.seed)
         self.device = ps_device or torch.device("cpu")
         """Where the global model lives, is updated and evaluated (dist.ps_device)."""
-        self._test_loader: BatchLoader | None = None
         model = prep.workload.build_model().to(self.device)
         params = list(model.parameters())
         self.block_params = [params[a:b] for a, b in partition(
@@ -103,12 +96,10 @@ class Coordinator:
         self.shard_ranks = [n + s for s in range(1, len(self.block_params))]
         self.shard_optimizers: tuple[dict[str, Any], ...] = ()
         """A resumed run's optimizer states of shards 1..S-1 (sent with their setup)."""
-        self.server = Server(model, self.strategy.update, self.cfg.optimizer,
-                             self.strategy.outer(), owned=self.block_params[0])
-        self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
-        self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
-                              run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss,
-                              tensorboard=self.cfg.train.tensorboard)
+        self.server = Server(model, prep.strategy.update, self.cfg.optimizer,
+                             prep.strategy.outer(), owned=self.block_params[0])
+        self.loop = RunLoop(prep, self.server, self, self.clock, progress)
+        self.loop.open_log(run_dir)
         self.stop_signal = StopSignal()
         self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks, self.stop_signal)
         self.links: dict[int, Link] = {}
@@ -127,26 +118,18 @@ class Coordinator:
         self.base_version = [0] * n
         self.buffered: dict[int, deque[Buffered]] = {
             w: deque() for w in range(n)}
-        self.applied_samples = 0
         self.drawn_by = [0] * n
         self.applied_by = [0] * n
         """Samples handed to / applied from each worker in this process: the difference is its
         unsent work (in flight at the stop, buffered but never applied, or lost with it)."""
-        self.max_samples = int(self.cfg.stop.max_epochs * prep.ctx.train_samples)
-        self.eval_every = max(1, int(self.cfg.train.eval_every_epochs * prep.ctx.train_samples))
-        self.next_eval = 0
-        self.eval_every_s = self.cfg.train.eval_every_s
-        self.next_eval_s = 0.0
-        self.recent_losses: list[float] = []
         self.overruns = [0] * n
         self.eval_pause_s = 0.0
         self.offset_s = 0.0
         self.t0 = time.perf_counter()
-        self.done = False
         self.error: str | None = None
         """Why the run cannot go on (it then checkpoints and raises WorkerLostError)."""
         self.updates_since_ckpt = 0
-        self.allreduce = self.strategy.comm == "allreduce"
+        self.allreduce = prep.strategy.comm == "allreduce"
         self.pending_apply: dict[int, float] = {}
         self.pending_factor: dict[str, float] = {}
         """ReduceLROnPlateau: the factor of the pending all-reduced update (core.plateau_factor)."""
@@ -156,28 +139,45 @@ class Coordinator:
                                  if emulation.get("mode", "none") != "none" else 1.0)
         """Wall seconds per Cluster-model second (what Push times are divided by)."""
 
+    # The loop's state, by short names.
+    @property
+    def strategy(self) -> Strategy:
+        return self.loop.strategy
+
+    @property
+    def log(self) -> MetricsLog:
+        return self.loop.log
+
     # ---- clock -------------------------------------------------------------------------
     def clock(self) -> float:
         return self.offset_s + time.perf_counter() - self.t0 - self.eval_pause_s
+
+    # ---- RunLoop's Engine hooks -------------------------------------------------------------
+    def sync_model(self) -> None:
+        """Bring the global model to this rank: an all-reduce worker's copy, or the blocks
+        of the PS shards."""
+        if self.allreduce and self.server.version > 0:
+            self._pull_state()
+        elif self.server.version > 0:
+            self._gather_shards()
+
+    def evaluated(self, pause_s: float) -> None:
+        """The clock leaves out rank 0's evaluations; so do the workers' deadlines."""
+        self.eval_pause_s += pause_s
+        for w in self.busy:
+            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
 
     # ---- setup / resume -------------------------------------------------------------------
     def _restore(self) -> None:
         st = load_checkpoint(self.run_dir, self.strategy.name, self.cfg.to_dict())
         check_ps_shards(st, len(self.block_params))
-        self.server.model.load_state_dict(st.model)
-        self.server.optimizer.load_state_dict(st.optimizer)
-        self.server.version = st.version
-        self.strategy, self.owner = st.strategy, st.owner
-        self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
+        self.loop.restore(st)
         self.offset_s = st.elapsed_s
         self.shard_optimizers = st.shard_optimizers
-        self.log.workers = st.workers
-        self.log.tta_s, self.log.tta_samples = st.tta
-        self.log.restore(st.rows, st.version)  # re-write the metrics files the run had so far
-        observe_evaluations(self.server, st.rows)  # the plateau state
+        self.loop.restore_log(st)  # re-writes the metrics files the run had so far
         # Lost workers are not restored: a resumed run starts every worker process afresh.
         log.info("resumed '%s' at update %d, %.2f epochs, %.1f s", self.cfg.name, st.version,
-                 self.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
+                 self.loop.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
 
     def _snapshot(self) -> None:
         """The strategy and data owner as they are right after a server update (what a
@@ -185,7 +185,8 @@ class Coordinator:
         pushes were never applied, and a barrier may hold half a round). An in-memory copy of
         this process's own objects (pickle: 0.1 ms, 10x faster than the codec after every
         update); it never leaves the process, checkpoints are written with the codec."""
-        self._snap = pickle.dumps((self.strategy, self.owner, self.applied_samples))
+        loop = self.loop
+        self._snap = pickle.dumps((loop.strategy, loop.owner, loop.applied_samples))
 
     def checkpoint(self) -> Path | None:
         """Save the server state as of the last update; None if there is no run dir or no
@@ -199,14 +200,9 @@ class Coordinator:
             self._pull_state(waiting[0])
         shard_optimizers = self._gather_shards()
         strategy, owner, applied = pickle.loads(self._snap)  # our own bytes, above
-        st = ServerState(
-            model=host_tree(self.server.model.state_dict()),
-            optimizer=host_tree(self.server.optimizer.state_dict()), version=self.server.version,
-            strategy=strategy, owner=owner, applied_samples=applied,
-            next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
-            workers=[dataclasses.replace(w) for w in self.log.workers],
-            tta=(self.log.tta_s, self.log.tta_samples), lost=list(self.lost),
-            config=self.cfg.to_dict(), shard_optimizers=tuple(shard_optimizers),
+        st = self.loop.server_state(
+            strategy=strategy, owner=owner, applied_samples=applied, elapsed_s=self.clock(),
+            lost=list(self.lost), shard_optimizers=tuple(shard_optimizers),
             job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
         self.updates_since_ckpt = 0
         return save_checkpoint(self.run_dir, st)
@@ -258,7 +254,7 @@ class Coordinator:
     # ---- protocol -------------------------------------------------------------------------
     def _release(self, w: int) -> None:
         task = next_task(self.strategy, w, self.server)
-        batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
+        batches = [self.loop.owner.take(task.batch_size) for _ in range(task.local_steps)]
         self.drawn_by[w] += task.samples
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
         if w in self.pending_apply:
@@ -285,7 +281,7 @@ class Coordinator:
             self.log.workers[w].bytes_received += received
             update = self.p.compressor.extract(msg["payload"])
             self.buffered[w].append((update, msg["buffers"], msg["samples"]))
-        self.recent_losses.append(msg["loss"])
+        self.loop.recent_losses.append(msg["loss"])
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
         decision = self.strategy.on_push(Push(
@@ -309,7 +305,7 @@ class Coordinator:
     def _decide(self, decision: Decision) -> None:
         if decision.apply:
             self._apply(decision)
-        if self.done:
+        if self.loop.done:
             return
         for w in decision.release:
             if w in self.live:
@@ -318,7 +314,8 @@ class Coordinator:
     def _apply(self, decision: Decision) -> None:
         held = {w: sum(b[2] for b in self.buffered[w]) for w, _ in decision.apply}
         items, samples = take_applied(self.buffered, decision, self.strategy.name)
-        self.applied_samples += samples
+        loop = self.loop
+        loop.applied_samples += samples
         for w, before in held.items():
             self.applied_by[w] += before - sum(b[2] for b in self.buffered[w])
         if self.allreduce:
@@ -329,13 +326,12 @@ class Coordinator:
             self._to_shards({"kind": "apply", "items": list(decision.apply), **factor})
         self.updates_since_ckpt += 1
         self._snapshot()
-        if (self.clock() >= self.next_eval_s if self.eval_every_s > 0
-                else self.applied_samples >= self.next_eval):
-            self._evaluate()
-        if self._should_stop():
-            self.done = True
+        if loop.eval_due():
+            loop.evaluate()
+        if loop.should_stop():
+            loop.done = True
         every = self.cfg.train.checkpoint_every
-        if every and self.updates_since_ckpt >= every and not self.done:
+        if every and self.updates_since_ckpt >= every and not loop.done:
             self.checkpoint()
 
     def _collective_apply(self, weights: dict[int, float]) -> None:
@@ -387,44 +383,6 @@ class Coordinator:
     def _check_source(self, src: int, kind: str, obj: Any) -> None:
         if src in self.shard_ranks:  # a shard only ever answers a request, or fails
             raise WorkerLostError(f"parameter-server shard rank {src} failed: {kind} {obj}")
-
-    def _should_stop(self) -> bool:
-        stop = self.cfg.stop
-        return (self.applied_samples >= self.max_samples
-                or (stop.max_time_s > 0 and self.clock() >= stop.max_time_s)
-                or (stop.stop_at_target and self.log.target_reached()))
-
-    def _evaluate(self) -> None:
-        t = self.clock()
-        start = time.perf_counter()
-        if self.allreduce and self.server.version > 0:
-            self._pull_state()
-        elif self.server.version > 0:
-            self._gather_shards()
-        wl = self.p.workload
-        if self._test_loader is None:  # kept: DataLoader workers (if any) persist across evals
-            self._test_loader = BatchLoader(wl.test, wl.loader)
-        loss, acc = evaluate_workload(self.server.model, wl, self._test_loader)
-        train_loss = (sum(self.recent_losses) / len(self.recent_losses)
-                      if self.recent_losses else None)
-        self.recent_losses = []
-        row = self.log.record(
-            time_s=t, samples=self.applied_samples,
-            epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
-            test_loss=loss, test_accuracy=acc, train_loss=train_loss,
-            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
-            extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
-        observe_evaluations(self.server, [row])  # ReduceLROnPlateau: from the next update on
-        while self.next_eval <= self.applied_samples:
-            self.next_eval += self.eval_every
-        while self.eval_every_s > 0 and self.next_eval_s <= t:
-            self.next_eval_s += self.eval_every_s
-        paused = time.perf_counter() - start
-        self.eval_pause_s += paused
-        for w in self.busy:
-            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
-        if self.progress is not None:
-            self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
     def _on_lost(self, w: int, reason: str) -> None:
         if w in self.joining:
@@ -496,7 +454,7 @@ class Coordinator:
         self.live.add(w)
         self.joined.append({"worker": w, "time_s": self.clock(),
                             "version": self.server.version,
-                            "applied_samples": self.applied_samples,
+                            "applied_samples": self.loop.applied_samples,
                             "pushes_before": mine.pushes,
                             "applied_before": self.applied_by[w]})
         self._publish_slots()
@@ -524,7 +482,7 @@ class Coordinator:
         try:
             return self._run()
         finally:
-            self.log.close()
+            self.loop.close()
             if self.joins is not None:
                 self.joins.close()
 
@@ -554,12 +512,12 @@ class Coordinator:
         self._publish_slots()  # `hetrain join` may take a slot from now on
         self.t0 = time.perf_counter()
         if not self.log.rows:
-            self._evaluate()
+            self.loop.evaluate()
         for w in sorted(self.live):
             self._release(w)
 
     def _loop(self) -> None:
-        while not self.done and self.error is None:
+        while not self.loop.done and self.error is None:
             if self.allreduce and self.lost:
                 self.error = "a collective strategy cannot go on without its lost worker(s)"
                 break
@@ -585,9 +543,8 @@ class Coordinator:
         end_s = self.clock()
         if self.joins is not None:
             self.joins.close()
-        if self.log.rows and self.log.rows[-1]["samples"] != self.applied_samples \
-                and self.error is None:
-            self._evaluate()
+        if self.error is None:
+            self.loop.evaluate_last()
         self._drain()
         ckpt = self._try_checkpoint()
         self._stop_workers()
@@ -665,21 +622,15 @@ class Coordinator:
         self._to_shards({"kind": "drop", "worker": w})
 
     def _summary(self, end_s: float) -> RunResult:
-        cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
-        ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
-        if self.emulation.get("mode") != "none":
-            ideal /= self.emulation.get("time_scale", 1.0)
-        for w, times in enumerate(self.log.workers):
-            times.unsent_samples = self.drawn_by[w] - self.applied_by[w]
-        extra = {"engine": "dist", "strategy": self.strategy.name, "cluster": cluster.name,
-                 "unsent_samples": sum(self.drawn_by) - sum(self.applied_by),
-                 "workload": self.p.workload.name, "n_workers": cluster.n,
-                 "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
-                 "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
-                 "emulation": self.emulation, "lost_workers": self.lost,
-                 "joined_workers": [j["worker"] for j in self.joined], "joins": self.joined,
-                 "applied_samples_by_worker": list(self.applied_by),
-                 "ps_shards": len(self.block_params),
-                 "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s,
-                 "ps_device": str(self.device), "worker_devices": self.worker_devices}
-        return self.log.summarise(time_s=end_s, ideal_samples_per_s=ideal, extra=extra)
+        em = self.emulation
+        return self.loop.summary(
+            engine="dist", time_s=end_s,
+            unsent=[drawn - applied for drawn, applied in zip(self.drawn_by, self.applied_by,
+                                                              strict=True)],
+            ideal_scale=em.get("time_scale", 1.0) if em.get("mode") != "none" else 1.0,
+            emulation=em, lost_workers=self.lost,
+            joined_workers=[j["worker"] for j in self.joined], joins=self.joined,
+            applied_samples_by_worker=list(self.applied_by),
+            ps_shards=len(self.block_params), emulation_overruns=self.overruns,
+            eval_pause_s=self.eval_pause_s, ps_device=str(self.device),
+            worker_devices=self.worker_devices)
