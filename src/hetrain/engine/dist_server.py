@@ -34,7 +34,6 @@ import logging
 import os
 import pickle
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,6 @@ from hetrain.engine.core import (
     copy_flat_into,
     next_task,
     plateau_factor,
-    take_applied,
 )
 from hetrain.engine.devices import host_tree
 from hetrain.engine.dist_shard import partition
@@ -116,19 +114,16 @@ class Coordinator:
         self.lost: list[int] = []
         self.busy: set[int] = set()
         self.base_version = [0] * n
-        self.buffered: dict[int, deque[Buffered]] = {
-            w: deque() for w in range(n)}
         self.drawn_by = [0] * n
-        self.applied_by = [0] * n
-        """Samples handed to / applied from each worker in this process: the difference is its
-        unsent work (in flight at the stop, buffered but never applied, or lost with it)."""
+        """Samples handed to each worker in this process; less those applied from it
+        (`RunLoop.applied_by`): its unsent work (in flight at the stop, buffered but never
+        applied, or lost with it)."""
         self.overruns = [0] * n
         self.eval_pause_s = 0.0
         self.offset_s = 0.0
         self.t0 = time.perf_counter()
         self.error: str | None = None
         """Why the run cannot go on (it then checkpoints and raises WorkerLostError)."""
-        self.updates_since_ckpt = 0
         self.allreduce = prep.strategy.comm == "allreduce"
         self.pending_apply: dict[int, float] = {}
         self.pending_factor: dict[str, float] = {}
@@ -160,6 +155,25 @@ class Coordinator:
             self._pull_state()
         elif self.server.version > 0:
             self._gather_shards()
+
+    def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
+        if self.allreduce:
+            self._collective_apply(dict(decision.apply))
+        else:
+            factor = plateau_factor(self.server)   # of this update, before it is applied
+            self.server.apply(items)
+            self._to_shards({"kind": "apply", "items": list(decision.apply), **factor})
+        self._snapshot()
+
+    def release(self, worker: int) -> None:
+        if worker in self.live:
+            self._release(worker)
+
+    def checkpoint_due(self) -> None:
+        self.checkpoint()
+
+    def busy_workers(self) -> set[int]:
+        return set(self.busy)
 
     def evaluated(self, pause_s: float) -> None:
         """The clock leaves out rank 0's evaluations; so do the workers' deadlines."""
@@ -204,7 +218,7 @@ class Coordinator:
             strategy=strategy, owner=owner, applied_samples=applied, elapsed_s=self.clock(),
             lost=list(self.lost), shard_optimizers=tuple(shard_optimizers),
             job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
-        self.updates_since_ckpt = 0
+        self.loop.updates_since_ckpt = 0
         return save_checkpoint(self.run_dir, st)
 
     def _send_setup(self) -> None:
@@ -271,25 +285,23 @@ class Coordinator:
     def _on_push(self, w: int, msg: dict[str, Any], nbytes: int) -> None:
         self.busy.discard(w)
         self._take_times(w, msg)
-        self.log.workers[w].samples += msg["samples"]
-        self.log.workers[w].pushes += 1
+        item: Buffered
         if self.allreduce:
-            self.buffered[w].append((None, [], msg["samples"]))
+            item = (None, [], msg["samples"])
         else:
             sent, received = msg.get("shard_bytes", (0, 0))  # its messages with the shards
             self.log.workers[w].bytes_sent += nbytes + sent
             self.log.workers[w].bytes_received += received
             update = self.p.compressor.extract(msg["payload"])
-            self.buffered[w].append((update, msg["buffers"], msg["samples"]))
-        self.loop.recent_losses.append(msg["loss"])
+            item = (update, msg["buffers"], msg["samples"])
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
-        decision = self.strategy.on_push(Push(
+        decision = self.loop.on_push(Push(
             worker=w, base_version=self.base_version[w], samples=msg["samples"],
             steps=msg["steps"], loss=msg["loss"], compute_s=k * msg["compute_s"],
             comm_s=k * msg["comm_s"], arrival_s=k * self.clock(),
-            probe=GradProbe(*msg["probe"]) if "probe" in msg else None))
-        self._decide(decision)
+            probe=GradProbe(*msg["probe"]) if "probe" in msg else None), item)
+        self.loop.decide(decision)
 
     def _take_times(self, w: int, msg: dict[str, Any]) -> None:
         """Workers report their cumulative busy/comm/idle seconds with every message (a
@@ -301,38 +313,6 @@ class Coordinator:
         if self.allreduce:
             mine.bytes_sent, mine.bytes_received = times["bytes_sent"], times["bytes_received"]
         self.overruns[w] = msg.get("overruns", 0)
-
-    def _decide(self, decision: Decision) -> None:
-        if decision.apply:
-            self._apply(decision)
-        if self.loop.done:
-            return
-        for w in decision.release:
-            if w in self.live:
-                self._release(w)
-
-    def _apply(self, decision: Decision) -> None:
-        held = {w: sum(b[2] for b in self.buffered[w]) for w, _ in decision.apply}
-        items, samples = take_applied(self.buffered, decision, self.strategy.name)
-        loop = self.loop
-        loop.applied_samples += samples
-        for w, before in held.items():
-            self.applied_by[w] += before - sum(b[2] for b in self.buffered[w])
-        if self.allreduce:
-            self._collective_apply(dict(decision.apply))
-        else:
-            factor = plateau_factor(self.server)   # of this update, before it is applied
-            self.server.apply(items)
-            self._to_shards({"kind": "apply", "items": list(decision.apply), **factor})
-        self.updates_since_ckpt += 1
-        self._snapshot()
-        if loop.eval_due():
-            loop.evaluate()
-        if loop.should_stop():
-            loop.done = True
-        every = self.cfg.train.checkpoint_every
-        if every and self.updates_since_ckpt >= every and not loop.done:
-            self.checkpoint()
 
     def _collective_apply(self, weights: dict[int, float]) -> None:
         missing = sorted(self.live - set(weights))
@@ -393,7 +373,7 @@ class Coordinator:
         self.live.discard(w)
         self.busy.discard(w)
         self.lost.append(w)
-        self.buffered[w].clear()
+        self.loop.buffered[w].clear()
         self._to_shards({"kind": "drop", "worker": w})
         name = self.p.cluster.devices[w].name
         log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
@@ -405,7 +385,7 @@ class Coordinator:
         self._publish_slots()
         decision = self.strategy.on_worker_lost(w)
         if decision is not None and not self.allreduce:
-            self._decide(decision)
+            self.loop.decide(decision)
 
     # ---- joins (hetrain.engine.join) ------------------------------------------------------
     def _free_slots(self) -> list[int]:
@@ -456,14 +436,14 @@ class Coordinator:
                             "version": self.server.version,
                             "applied_samples": self.loop.applied_samples,
                             "pushes_before": mine.pushes,
-                            "applied_before": self.applied_by[w]})
+                            "applied_before": self.loop.applied_by[w]})
         self._publish_slots()
         log.warning("hetrain: worker %d (rank %d, device %s) joined at update %d; %d worker(s) "
                     "live", w, w + 1, self.p.cluster.devices[w].name, self.server.version,
                     len(self.live))
         decision = self.strategy.on_worker_joined(w)
         if decision is not None:
-            self._decide(decision)
+            self.loop.decide(decision)
 
     def _join_failed(self, w: int, reason: str) -> None:
         self.joining.discard(w)
@@ -625,12 +605,12 @@ class Coordinator:
         em = self.emulation
         return self.loop.summary(
             engine="dist", time_s=end_s,
-            unsent=[drawn - applied for drawn, applied in zip(self.drawn_by, self.applied_by,
-                                                              strict=True)],
+            unsent=[drawn - applied for drawn, applied in zip(self.drawn_by,
+                                                              self.loop.applied_by, strict=True)],
             ideal_scale=em.get("time_scale", 1.0) if em.get("mode") != "none" else 1.0,
             emulation=em, lost_workers=self.lost,
             joined_workers=[j["worker"] for j in self.joined], joins=self.joined,
-            applied_samples_by_worker=list(self.applied_by),
+            applied_samples_by_worker=list(self.loop.applied_by),
             ps_shards=len(self.block_params), emulation_overruns=self.overruns,
             eval_pause_s=self.eval_pause_s, ps_device=str(self.device),
             worker_devices=self.worker_devices)

@@ -2,33 +2,58 @@
 
 The simulator (`engine.sim`, a virtual clock) and rank 0 of the torch.distributed engine
 (`engine.dist_server`, wall-clock seconds) differ in how they keep time and move tensors. What
-they do with a push is the same, and lives here: the evaluation schedule (every
-train.eval_every_epochs or eval_every_s), an evaluation's metrics row and the plateau
-schedule it feeds, the stop rule, the checkpointed fields of the server state, the resumed
-state and the run summary. Each engine hands a `RunLoop` its clock and itself as the `Engine`
-whose hooks carry out what moves tensors (bring the global model to rank 0 before an
-evaluation, account for its pause).
+they do with a push is the same, and lives here: the pushes buffered until a Decision applies
+them, the Decision carried out (`RunLoop.decide`: every Decision of a run passes there), the
+applied samples, the evaluation schedule (every train.eval_every_epochs or eval_every_s), an
+evaluation's metrics row and the plateau schedule it feeds, the stop rule, when a checkpoint
+is due, the checkpointed fields of the server state, the resumed state and the run summary.
+Each engine hands a `RunLoop` its clock and itself as the `Engine` whose hooks carry out what
+moves tensors or takes time (one server update, a release, a checkpoint, the global model
+brought to rank 0 before an evaluation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from hetrain.context import ProgressFn
 from hetrain.engine.checkpoint import ServerState
-from hetrain.engine.core import DataOwner, Server, observe_evaluations, schedule_metrics
+from hetrain.engine.core import (
+    Buffered,
+    DataOwner,
+    Server,
+    observe_evaluations,
+    schedule_metrics,
+    take_applied,
+)
 from hetrain.engine.devices import host_tree
 from hetrain.engine.setup import Prepared
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
+from hetrain.strategies import Decision, Push
 from hetrain.workloads import BatchLoader, evaluate_workload
 
 
 class Engine(Protocol):
     """What a `RunLoop` asks of the engine that drives it."""
+
+    def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
+        """Carry out one server update: `items` are the applied pushes' (weight, update,
+        buffers), popped from the buffer (a PS steps the server on them; an all-reduce
+        run's workers combine their own updates with the Decision's weights)."""
+
+    def release(self, worker: int) -> None:
+        """Send `worker` its next task (and the model it starts from)."""
+
+    def checkpoint_due(self) -> None:
+        """train.checkpoint_every updates were applied since the last checkpoint."""
+
+    def busy_workers(self) -> set[int]:
+        """The workers running a task now (released, their push not yet received)."""
 
     def sync_model(self) -> None:
         """Make `server.model` the global model before an evaluation (the simulator's always
@@ -50,7 +75,12 @@ class RunLoop:
         self.progress = progress
         self.strategy = prep.strategy
         self.owner = DataOwner(prep.ctx.train_samples, cfg.train.seed)
+        self.buffered: dict[int, deque[Buffered]] = {w: deque() for w in range(prep.cluster.n)}
+        """Pushes received and not yet applied, oldest first, by worker."""
         self.applied_samples = 0
+        self.applied_by = [0] * prep.cluster.n
+        """Samples applied from each worker's pushes (in this process)."""
+        self.updates_since_ckpt = 0
         self.max_samples = int(cfg.stop.max_epochs * prep.ctx.train_samples)
         self.eval_every = max(1, int(cfg.train.eval_every_epochs * prep.ctx.train_samples))
         self.next_eval = 0
@@ -82,6 +112,52 @@ class RunLoop:
             self._test_loader.close()
         if self._log is not None:
             self._log.close()
+
+    # ---- pushes and decisions ---------------------------------------------------------------
+    def on_push(self, push: Push, item: Buffered) -> Decision:
+        """A worker's push arrived: hold its update until a Decision applies it, count its
+        samples, and ask the strategy what to do (the Decision is not carried out yet: the
+        simulator first waits for an all-reduce's time; `decide` carries it out)."""
+        self.buffered[push.worker].append(item)
+        times = self.log.workers[push.worker]
+        times.samples += push.samples
+        times.pushes += 1
+        self.recent_losses.append(push.loss)
+        return self.strategy.on_push(push)
+
+    def decide(self, decision: Decision) -> bool:
+        """Carry out a Decision of the strategy: apply the pushes it names (one server
+        update), then release its workers, unless the run stopped at that update. Every
+        Decision that an engine carries out passes here. Returns whether the releases were
+        made."""
+        # ---- CONTRACT CHECK (issue 18): the strategy contract's `check_decision` is called
+        # here, the one place every carried-out Decision passes, before anything of it is
+        # done (the busy workers: `self.engine.busy_workers()`). Wired at merge time. ----
+        if decision.apply:
+            self.apply(decision)
+        if self.done:
+            return False
+        for w in decision.release:
+            self.engine.release(w)
+        return True
+
+    def apply(self, decision: Decision) -> None:
+        """One server update from the buffered pushes the Decision names, then an evaluation
+        when one is due, the stop rule, and a checkpoint when train.checkpoint_every says so."""
+        held = {w: sum(b[2] for b in self.buffered[w]) for w, _ in decision.apply}
+        items, samples = take_applied(self.buffered, decision, self.strategy.name)
+        self.applied_samples += samples
+        for w, before in held.items():
+            self.applied_by[w] += before - sum(b[2] for b in self.buffered[w])
+        self.engine.update(decision, items)
+        self.updates_since_ckpt += 1
+        if self.eval_due():
+            self.evaluate()
+        if self.should_stop():
+            self.done = True
+        every = self.p.cfg.train.checkpoint_every
+        if every and self.updates_since_ckpt >= every and not self.done:
+            self.engine.checkpoint_due()
 
     # ---- evaluation and stop ----------------------------------------------------------------
     def eval_due(self) -> bool:

@@ -41,13 +41,11 @@ from hetrain.engine.checkpoint import (
     save_checkpoint,
 )
 from hetrain.engine.core import (
-    Buffered,
     DataOwner,
     Replica,
     Server,
     TaskResult,
     next_task,
-    take_applied,
 )
 from hetrain.engine.devices import host_tree
 from hetrain.engine.loop import RunLoop
@@ -116,8 +114,6 @@ class Simulator:
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.inflight: dict[int, _InFlight] = {}
-        self.buffered: dict[int, deque[Buffered]] = {
-            w: deque() for w in range(cluster.n)}
         self.ready_at = [0.0] * cluster.n
         self.nic_free = {"in": 0.0, "out": 0.0}
         self.ps_busy_until = 0.0
@@ -126,8 +122,9 @@ class Simulator:
         self.run_dir = run_dir
         self.checkpointing = run_dir is not None and cfg.train.checkpoint
         """train.checkpoint with a run directory: write runs/<name>/checkpoint.pt."""
-        self.updates_since_ckpt = 0
-        self.checkpoint_due = False
+        self.checkpoint_pending = False
+        self._at = (0.0, 0.0)
+        """The time and all-reduce seconds of the Decision being carried out (`_decide`)."""
         self.stop_signal = StopSignal()
         self.resumed = False
         if self.checkpointing or cfg.train.resume:
@@ -157,6 +154,19 @@ class Simulator:
         return self.loop.applied_samples
 
     # ---- RunLoop's Engine hooks -------------------------------------------------------------
+    def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
+        self.server.apply(items)
+        self.now = self._at[0]
+
+    def release(self, worker: int) -> None:
+        self._release(worker, *self._at)
+
+    def checkpoint_due(self) -> None:
+        self.checkpoint_pending = True  # taken once this event is handled (`_run`)
+
+    def busy_workers(self) -> set[int]:
+        return set(self.inflight)
+
     def sync_model(self) -> None:
         """The server's model is the global model."""
 
@@ -236,16 +246,12 @@ class Simulator:
     def _push_arrive(self, w: int, t: float) -> None:
         f = self.inflight.pop(w)
         update = self.p.compressor.extract(f.payload)
-        self.buffered[w].append((update, f.result.buffers, f.result.samples))
         self.ready_at[w] = t
-        times = self.log.workers[w]
-        times.samples += f.result.samples
-        times.pushes += 1
-        self.loop.recent_losses.append(f.result.loss)
-        decision = self.strategy.on_push(Push(
+        decision = self.loop.on_push(Push(
             worker=w, base_version=f.base_version, samples=f.result.samples,
             steps=f.result.steps, loss=f.result.loss, compute_s=f.compute_s,
-            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t, probe=f.result.probe))
+            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t, probe=f.result.probe),
+            (update, f.result.buffers, f.result.samples))
         if self.strategy.comm == "allreduce" and decision.apply:
             nbytes = f.payload.nbytes
             ar = self.p.cluster.ring_allreduce_time_s(nbytes, [w for w, _ in decision.apply])
@@ -258,30 +264,12 @@ class Simulator:
             self._decide(decision, t)
 
     def _decide(self, decision: Decision, t: float, collective_s: float = 0.0) -> None:
-        if decision.apply:
-            self._apply(decision, t)
-        if self.loop.done:
+        """Carry out a Decision at time t (after an all-reduce of collective_s seconds)."""
+        self._at = (t, collective_s)
+        if not self.loop.decide(decision):
             # Kept for a resumed run that goes further (a larger stop.max_epochs): it makes
             # these releases first, as this run would have without its stop.
             self.unreleased = (list(decision.release), t, collective_s)
-            return
-        for w in decision.release:
-            self._release(w, t, collective_s)
-
-    def _apply(self, decision: Decision, t: float) -> None:
-        loop = self.loop
-        items, samples = take_applied(self.buffered, decision, loop.strategy.name)
-        loop.applied_samples += samples
-        self.server.apply(items)
-        self.now = t
-        self.updates_since_ckpt += 1
-        if loop.eval_due():
-            loop.evaluate()
-        if loop.should_stop():
-            loop.done = True
-        every = self.p.cfg.train.checkpoint_every
-        if every and self.updates_since_ckpt >= every and not loop.done:
-            self.checkpoint_due = True  # taken once this event is handled (`_run`)
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -315,7 +303,7 @@ class Simulator:
                     decision, ar = payload
                     self._decide(decision, t, collective_s=ar)
                 # Between two events: the state is whole, a checkpoint can be taken.
-                if self.checkpoint_due:
+                if self.checkpoint_pending:
                     self.checkpoint()
                 if self.stop_signal.signum is not None:
                     self._interrupted()
@@ -325,7 +313,7 @@ class Simulator:
         # at the server that no Decision applied. With applied_samples they account for every
         # sample drawn from the data owner.
         unsent = [(self.inflight[w].result.samples if w in self.inflight else 0)
-                  + sum(samples for _, _, samples in self.buffered[w])
+                  + sum(samples for _, _, samples in loop.buffered[w])
                   for w in range(self.p.cluster.n)]
         return loop.summary(engine="sim", time_s=self.now, unsent=unsent)
 
@@ -352,8 +340,8 @@ class Simulator:
 
     def checkpoint(self) -> Path | None:
         """Write the whole state to runs/<name>/checkpoint.pt (None: not checkpointing)."""
-        self.checkpoint_due = False
-        self.updates_since_ckpt = 0
+        self.checkpoint_pending = False
+        self.loop.updates_since_ckpt = 0
         if not self.checkpointing:
             return None
         assert self.run_dir is not None
@@ -373,7 +361,7 @@ class Simulator:
             "shadow": self.shadow,
             "events": list(self.events), "seq": self._seq,
             "inflight": {w: dict(vars(f)) for w, f in self.inflight.items()},
-            "buffered": {w: list(q) for w, q in self.buffered.items()},
+            "buffered": {w: list(q) for w, q in self.loop.buffered.items()},
             "ready_at": list(self.ready_at), "nic_free": dict(self.nic_free),
             "ps_busy_until": self.ps_busy_until, "next_eval_s": self.loop.next_eval_s,
             "recent_losses": list(self.loop.recent_losses), "unreleased": self.unreleased,
@@ -417,7 +405,7 @@ class Simulator:
         heapq.heapify(self.events)  # already a heap, unless the file was edited
         self._seq = s["seq"]
         self.inflight = {w: _InFlight(**f) for w, f in s["inflight"].items()}
-        self.buffered = {w: deque(s["buffered"].get(w, ())) for w in range(n)}
+        self.loop.buffered = {w: deque(s["buffered"].get(w, ())) for w in range(n)}
         self.ready_at, self.nic_free = list(s["ready_at"]), dict(s["nic_free"])
         self.ps_busy_until, self.loop.next_eval_s = s["ps_busy_until"], s["next_eval_s"]
         self.loop.recent_losses = list(s["recent_losses"])
