@@ -1,10 +1,16 @@
 """Rank 0 of a dist run: the parameter server, data owner and coordinator of every strategy.
 
+The `Coordinator` drives the `RunLoop` the simulator drives too (engine.loop: pushes buffered,
+Decisions carried out, evaluations, the stop rule, the summary) with wall-clock time and
+torch.distributed messages. Its collaborators: the comm protocol of the strategy
+(engine.dist_protocol: `PSProtocol` or `AllReduceProtocol`), the PS shards' fan-out
+(`dist_shard.ShardFanout`) and the checkpoints (`dist_checkpoints.Checkpoints`).
+
 comm = "ps": rank 0 holds the global model (`Server`) and the strategy. A released worker is
 sent (params + float buffers, its WorkTask, the sample indices the DataOwner drew for it);
 it answers with (its update, compressed as configured, + metadata). Pushes are received from
 whichever worker finishes first (`Inbox`), handed to `strategy.on_push`, and the Decision is
-carried out exactly as the simulator does it (same Server, same DataOwner order).
+carried out exactly as the simulator does it (same RunLoop, Server and DataOwner order).
 
 comm = "allreduce": the workers hold identical copies of the global model and all-reduce
 their weighted updates among themselves (a process group of ranks 1..n); rank 0 still runs
@@ -30,12 +36,8 @@ simulator's evaluations take no virtual time either).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import pickle
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +45,21 @@ import torch
 
 from hetrain.context import ProgressFn
 from hetrain.engine import codec
-from hetrain.engine.checkpoint import (
-    ServerState,
-    check_ps_shards,
-    load_checkpoint,
-    save_checkpoint,
-)
-from hetrain.engine.core import (
-    Buffered,
-    DataOwner,
-    Server,
-    copy_flat_into,
-    next_task,
-    observe_evaluations,
-    plateau_factor,
-    schedule_metrics,
-    take_applied,
-)
-from hetrain.engine.devices import host_tree
-from hetrain.engine.dist_shard import partition
+from hetrain.engine.core import Server, next_task
+from hetrain.engine.dist_checkpoints import Checkpoints
+from hetrain.engine.dist_protocol import protocol_for
+from hetrain.engine.dist_shard import ShardFanout
 from hetrain.engine.join import POLL_S, Admitted, JoinDesk
+from hetrain.engine.loop import RunLoop
 from hetrain.engine.setup import Prepared
-from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal
+from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal, WorkerLostError
 from hetrain.engine.wire import Inbox, Link, Outbox, send_obj, set_message_limit
-from hetrain.errors import ConfigError, HetrainError
+from hetrain.errors import ConfigError
 from hetrain.plan.noise import GradProbe
-from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
-from hetrain.strategies import Decision, Push
-from hetrain.workloads import BatchLoader, evaluate_workload
+from hetrain.report.metrics import MetricsLog, RunResult
+from hetrain.strategies import Decision, Push, Strategy
 
 log = logging.getLogger("hetrain.dist")
-
-
-class WorkerLostError(HetrainError):
-    """A synchronous run cannot go on without a worker that died or hung."""
 
 
 class Coordinator:
@@ -86,34 +69,26 @@ class Coordinator:
                  emulation: dict[str, Any], ps_device: torch.device | None = None,
                  joins: JoinDesk | None = None) -> None:
         self.p, self.cfg = prep, prep.cfg
-        self.strategy = prep.strategy
-        codec.allow(type(self.strategy))  # its checkpoints hold it, even if unregistered
-        self.run_dir, self.progress = run_dir, progress
+        codec.allow(type(prep.strategy))  # its checkpoints hold it, even if unregistered
         self.emulation = emulation
         n = prep.cluster.n
         torch.manual_seed(self.cfg.train.seed)
         self.device = ps_device or torch.device("cpu")
         """Where the global model lives, is updated and evaluated (dist.ps_device)."""
-        self._test_loader: BatchLoader | None = None
         model = prep.workload.build_model().to(self.device)
-        params = list(model.parameters())
-        self.block_params = [params[a:b] for a, b in partition(
-            [p.numel() for p in params], self.cfg.dist.ps_shards)]
-        """The parameter tensors of each PS shard; block 0 is this rank's own."""
-        self.shard_ranks = [n + s for s in range(1, len(self.block_params))]
-        self.shard_optimizers: tuple[dict[str, Any], ...] = ()
-        """A resumed run's optimizer states of shards 1..S-1 (sent with their setup)."""
-        self.server = Server(model, self.strategy.update, self.cfg.optimizer,
-                             self.strategy.outer(), owned=self.block_params[0])
-        self.owner = DataOwner(prep.ctx.train_samples, self.cfg.train.seed)
-        self.log = MetricsLog(self.cfg.name, [WorkerTimes(d.name) for d in prep.cluster.devices],
-                              run_dir, self.cfg.stop.target_accuracy, self.cfg.stop.target_loss,
-                              tensorboard=self.cfg.train.tensorboard)
+        self.shards = ShardFanout(model, self.cfg.dist.ps_shards, n)
+        self.server = Server(model, prep.strategy.update, self.cfg.optimizer,
+                             prep.strategy.outer(), owned=self.shards.blocks[0])
+        self.loop = RunLoop(prep, self.server, self, self.clock, progress)
+        self.loop.open_log(run_dir)
+        self.checkpoints = Checkpoints(run_dir, self.cfg, self.loop)
+        self.protocol = protocol_for(self)
         self.stop_signal = StopSignal()
-        self.inbox = Inbox([w + 1 for w in range(n)] + self.shard_ranks, self.stop_signal)
+        self.inbox = Inbox([w + 1 for w in range(n)] + self.shards.ranks, self.stop_signal)
         self.links: dict[int, Link] = {}
         """Joined workers' private links, by rank (the others are default-group ranks)."""
         self.outbox = Outbox(self.links)
+        self.shards.connect(self.outbox, self.inbox, self.cfg.dist.worker_timeout_s)
         self.joins = joins
         self.joining: set[int] = set()
         """Joined workers sent their setup, whose "ready" has not come yet."""
@@ -125,106 +100,83 @@ class Coordinator:
         self.lost: list[int] = []
         self.busy: set[int] = set()
         self.base_version = [0] * n
-        self.buffered: dict[int, deque[Buffered]] = {
-            w: deque() for w in range(n)}
-        self.applied_samples = 0
         self.drawn_by = [0] * n
-        self.applied_by = [0] * n
-        """Samples handed to / applied from each worker in this process: the difference is its
-        unsent work (in flight at the stop, buffered but never applied, or lost with it)."""
-        self.max_samples = int(self.cfg.stop.max_epochs * prep.ctx.train_samples)
-        self.eval_every = max(1, int(self.cfg.train.eval_every_epochs * prep.ctx.train_samples))
-        self.next_eval = 0
-        self.eval_every_s = self.cfg.train.eval_every_s
-        self.next_eval_s = 0.0
-        self.recent_losses: list[float] = []
+        """Samples handed to each worker in this process; less those applied from it
+        (`RunLoop.applied_by`): its unsent work (in flight at the stop, buffered but never
+        applied, or lost with it)."""
         self.overruns = [0] * n
         self.eval_pause_s = 0.0
         self.offset_s = 0.0
         self.t0 = time.perf_counter()
-        self.done = False
         self.error: str | None = None
         """Why the run cannot go on (it then checkpoints and raises WorkerLostError)."""
-        self.updates_since_ckpt = 0
-        self.allreduce = self.strategy.comm == "allreduce"
-        self.pending_apply: dict[int, float] = {}
-        self.pending_factor: dict[str, float] = {}
-        """ReduceLROnPlateau: the factor of the pending all-reduced update (core.plateau_factor)."""
         self.worker_devices = ["?"] * n
         """The torch device each worker reported when it was ready."""
         self.model_time_scale = (emulation.get("time_scale", 1.0)
                                  if emulation.get("mode", "none") != "none" else 1.0)
         """Wall seconds per Cluster-model second (what Push times are divided by)."""
 
+    # The loop's state, by short names.
+    @property
+    def strategy(self) -> Strategy:
+        return self.loop.strategy
+
+    @property
+    def log(self) -> MetricsLog:
+        return self.loop.log
+
     # ---- clock -------------------------------------------------------------------------
     def clock(self) -> float:
         return self.offset_s + time.perf_counter() - self.t0 - self.eval_pause_s
 
+    # ---- RunLoop's Engine hooks -------------------------------------------------------------
+    def sync_model(self) -> None:
+        self.protocol.sync_model()
+
+    def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
+        self.protocol.update(decision, items)
+        self.checkpoints.snapshot()
+
+    def release(self, worker: int) -> None:
+        if worker in self.live:
+            self._release(worker)
+
+    def checkpoint_due(self) -> None:
+        self.checkpoint()
+
+    def busy_workers(self) -> set[int]:
+        return set(self.busy)
+
+    def evaluated(self, pause_s: float) -> None:
+        """The clock leaves out rank 0's evaluations; so do the workers' deadlines."""
+        self.eval_pause_s += pause_s
+        for w in self.busy:
+            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
+
     # ---- setup / resume -------------------------------------------------------------------
     def _restore(self) -> None:
-        st = load_checkpoint(self.run_dir, self.strategy.name, self.cfg.to_dict())
-        check_ps_shards(st, len(self.block_params))
-        self.server.model.load_state_dict(st.model)
-        self.server.optimizer.load_state_dict(st.optimizer)
-        self.server.version = st.version
-        self.strategy, self.owner = st.strategy, st.owner
-        self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
+        st = self.checkpoints.load(len(self.shards.blocks))
+        self.loop.restore(st)
         self.offset_s = st.elapsed_s
-        self.shard_optimizers = st.shard_optimizers
-        self.log.workers = st.workers
-        self.log.tta_s, self.log.tta_samples = st.tta
-        self.log.restore(st.rows, st.version)  # re-write the metrics files the run had so far
-        observe_evaluations(self.server, st.rows)  # the plateau state
+        self.shards.optimizers = st.shard_optimizers
+        self.loop.restore_log(st)  # re-writes the metrics files the run had so far
         # Lost workers are not restored: a resumed run starts every worker process afresh.
         log.info("resumed '%s' at update %d, %.2f epochs, %.1f s", self.cfg.name, st.version,
-                 self.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
-
-    def _snapshot(self) -> None:
-        """The strategy and data owner as they are right after a server update (what a
-        checkpoint holds, even if taken later: releases after it drew samples for tasks whose
-        pushes were never applied, and a barrier may hold half a round). An in-memory copy of
-        this process's own objects (pickle: 0.1 ms, 10x faster than the codec after every
-        update); it never leaves the process, checkpoints are written with the codec."""
-        self._snap = pickle.dumps((self.strategy, self.owner, self.applied_samples))
+                 self.loop.applied_samples / self.p.ctx.train_samples, st.elapsed_s)
 
     def checkpoint(self) -> Path | None:
         """Save the server state as of the last update; None if there is no run dir or no
         worker left to fetch an all-reduced model from."""
-        if self.run_dir is None or not self.cfg.train.checkpoint:
+        if not self.checkpoints.enabled or not self.protocol.model_for_checkpoint():
             return None
-        if self.allreduce and self.server.version > 0:
-            waiting = sorted(self.live - self.busy)
-            if not waiting:
-                return None
-            self._pull_state(waiting[0])
-        shard_optimizers = self._gather_shards()
-        strategy, owner, applied = pickle.loads(self._snap)  # our own bytes, above
-        st = ServerState(
-            model=host_tree(self.server.model.state_dict()),
-            optimizer=host_tree(self.server.optimizer.state_dict()), version=self.server.version,
-            strategy=strategy, owner=owner, applied_samples=applied,
-            next_eval=self.next_eval, elapsed_s=self.clock(), rows=list(self.log.rows),
-            workers=[dataclasses.replace(w) for w in self.log.workers],
-            tta=(self.log.tta_s, self.log.tta_samples), lost=list(self.lost),
-            config=self.cfg.to_dict(), shard_optimizers=tuple(shard_optimizers),
-            job=os.environ.get("TORCHELASTIC_RUN_ID", ""))
-        self.updates_since_ckpt = 0
-        return save_checkpoint(self.run_dir, st)
+        shard_optimizers = self.shards.gather()
+        return self.checkpoints.save(elapsed_s=self.clock(), lost=list(self.lost),
+                                     shard_optimizers=shard_optimizers)
 
     def _send_setup(self) -> None:
-        for s, rank in enumerate(self.shard_ranks, 1):
-            self.outbox.send({"kind": "setup", "update": self.strategy.update,
-                              "outer": self.strategy.outer(), "version": self.server.version,
-                              "params": [host_tree(p) for p in self.block_params[s]],
-                              "optimizer": (self.shard_optimizers[s - 1]
-                                            if self.shard_optimizers else None)}, rank)
-        shards = {"ranks": self.shard_ranks,
-                  "sizes": [sum(p.numel() for p in b) for b in self.block_params]}
-        state = None
-        if self.allreduce:
-            state = {"model": host_tree(self.server.model.state_dict()),
-                     "optimizer": host_tree(self.server.optimizer.state_dict()),
-                     "version": self.server.version}
+        self.shards.setup(self.strategy.update, self.strategy.outer(), self.server.version)
+        shards = {"ranks": self.shards.ranks, "sizes": self.shards.sizes}
+        state = self.protocol.setup_state()
         for w in sorted(self.live):
             self.outbox.send(self._setup_msg(w, state, shards), w + 1)
 
@@ -258,42 +210,26 @@ class Coordinator:
     # ---- protocol -------------------------------------------------------------------------
     def _release(self, w: int) -> None:
         task = next_task(self.strategy, w, self.server)
-        batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
+        batches = [self.loop.owner.take(task.batch_size) for _ in range(task.local_steps)]
         self.drawn_by[w] += task.samples
         msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
-        if w in self.pending_apply:
-            msg["apply_weight"] = self.pending_apply.pop(w)
-            msg.update(self.pending_factor)
-        if not self.allreduce:
-            msg["params"], msg["buffers"] = self.server.params(), self.server.buffers()
-            msg["version"] = self.base_version[w] = self.server.version
-        nbytes = self.outbox.send(msg, w + 1)
-        self.log.workers[w].bytes_received += nbytes if not self.allreduce else 0
+        self.protocol.fill_task(w, msg)
+        self.protocol.task_sent(w, self.outbox.send(msg, w + 1))
         self.busy.add(w)
         self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
 
     def _on_push(self, w: int, msg: dict[str, Any], nbytes: int) -> None:
         self.busy.discard(w)
         self._take_times(w, msg)
-        self.log.workers[w].samples += msg["samples"]
-        self.log.workers[w].pushes += 1
-        if self.allreduce:
-            self.buffered[w].append((None, [], msg["samples"]))
-        else:
-            sent, received = msg.get("shard_bytes", (0, 0))  # its messages with the shards
-            self.log.workers[w].bytes_sent += nbytes + sent
-            self.log.workers[w].bytes_received += received
-            update = self.p.compressor.extract(msg["payload"])
-            self.buffered[w].append((update, msg["buffers"], msg["samples"]))
-        self.recent_losses.append(msg["loss"])
+        item = self.protocol.push_item(w, msg, nbytes)
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
-        decision = self.strategy.on_push(Push(
+        decision = self.loop.on_push(Push(
             worker=w, base_version=self.base_version[w], samples=msg["samples"],
             steps=msg["steps"], loss=msg["loss"], compute_s=k * msg["compute_s"],
             comm_s=k * msg["comm_s"], arrival_s=k * self.clock(),
-            probe=GradProbe(*msg["probe"]) if "probe" in msg else None))
-        self._decide(decision)
+            probe=GradProbe(*msg["probe"]) if "probe" in msg else None), item)
+        self.loop.decide(decision)
 
     def _take_times(self, w: int, msg: dict[str, Any]) -> None:
         """Workers report their cumulative busy/comm/idle seconds with every message (a
@@ -302,129 +238,12 @@ class Coordinator:
         busy, comm, idle = self.times_base.get(w, (0.0, 0.0, 0.0))
         mine.busy_s, mine.comm_s, mine.idle_s = (busy + times["busy_s"], comm + times["comm_s"],
                                                  idle + times["idle_s"])
-        if self.allreduce:
-            mine.bytes_sent, mine.bytes_received = times["bytes_sent"], times["bytes_received"]
+        self.protocol.take_bytes(mine, times)
         self.overruns[w] = msg.get("overruns", 0)
 
-    def _decide(self, decision: Decision) -> None:
-        if decision.apply:
-            self._apply(decision)
-        if self.done:
-            return
-        for w in decision.release:
-            if w in self.live:
-                self._release(w)
-
-    def _apply(self, decision: Decision) -> None:
-        held = {w: sum(b[2] for b in self.buffered[w]) for w, _ in decision.apply}
-        items, samples = take_applied(self.buffered, decision, self.strategy.name)
-        self.applied_samples += samples
-        for w, before in held.items():
-            self.applied_by[w] += before - sum(b[2] for b in self.buffered[w])
-        if self.allreduce:
-            self._collective_apply(dict(decision.apply))
-        else:
-            factor = plateau_factor(self.server)   # of this update, before it is applied
-            self.server.apply(items)
-            self._to_shards({"kind": "apply", "items": list(decision.apply), **factor})
-        self.updates_since_ckpt += 1
-        self._snapshot()
-        if (self.clock() >= self.next_eval_s if self.eval_every_s > 0
-                else self.applied_samples >= self.next_eval):
-            self._evaluate()
-        if self._should_stop():
-            self.done = True
-        every = self.cfg.train.checkpoint_every
-        if every and self.updates_since_ckpt >= every and not self.done:
-            self.checkpoint()
-
-    def _collective_apply(self, weights: dict[int, float]) -> None:
-        missing = sorted(self.live - set(weights))
-        if missing:
-            raise RuntimeError(f"strategy '{self.strategy.name}' (comm=allreduce) applied without"
-                               f" live workers {missing}: a collective needs every live worker")
-        # Sent with each worker's next task (one message per round instead of two), or on
-        # its own before anything else needs the all-reduced model (`_flush_applies`).
-        self.pending_apply = {w: float(weights[w]) for w in sorted(self.live)}
-        self.pending_factor = plateau_factor(self.server)
-        self.server.version += 1
-
-    def _flush_applies(self) -> None:
-        for w, weight in sorted(self.pending_apply.items()):
-            if w in self.live:
-                self.outbox.send({"kind": "apply", "weight": weight, **self.pending_factor},
-                                 w + 1)
-        self.pending_apply = {}
-
-    def _pull_state(self, src: int | None = None) -> None:
-        """Allreduce mode: fetch the global model from a waiting worker (default: the first)."""
-        self._flush_applies()
-        src = min(self.live) if src is None else src
-        self.outbox.send({"kind": "state"}, src + 1)
-        kind, _, msg, _ = self.inbox.request(src + 1, self.cfg.dist.worker_timeout_s)
-        if kind == "lost":
-            raise WorkerLostError(f"worker {src} was lost while sending the model: {msg}")
-        self.server.model.load_state_dict(msg["model"])
-        self.server.optimizer.load_state_dict(msg["optimizer"])
-
-    def _to_shards(self, cmd: dict[str, Any]) -> None:
-        for rank in self.shard_ranks:
-            self.outbox.send(cmd, rank)
-
-    def _gather_shards(self) -> list[dict[str, Any]]:
-        """Copy every shard's block into the model (as of the latest update: a shard runs
-        commands in order); returns the shards' optimizer states."""
-        self._to_shards({"kind": "state"})
-        optimizers = []
-        for s, rank in enumerate(self.shard_ranks, 1):
-            kind, _, msg, _ = self.inbox.request(rank, self.cfg.dist.worker_timeout_s)
-            if kind == "lost":
-                raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {msg}")
-            copy_flat_into(self.block_params[s], msg["params"])
-            optimizers.append(msg["optimizer"])
-        return optimizers
-
     def _check_source(self, src: int, kind: str, obj: Any) -> None:
-        if src in self.shard_ranks:  # a shard only ever answers a request, or fails
+        if src in self.shards.ranks:  # a shard only ever answers a request, or fails
             raise WorkerLostError(f"parameter-server shard rank {src} failed: {kind} {obj}")
-
-    def _should_stop(self) -> bool:
-        stop = self.cfg.stop
-        return (self.applied_samples >= self.max_samples
-                or (stop.max_time_s > 0 and self.clock() >= stop.max_time_s)
-                or (stop.stop_at_target and self.log.target_reached()))
-
-    def _evaluate(self) -> None:
-        t = self.clock()
-        start = time.perf_counter()
-        if self.allreduce and self.server.version > 0:
-            self._pull_state()
-        elif self.server.version > 0:
-            self._gather_shards()
-        wl = self.p.workload
-        if self._test_loader is None:  # kept: DataLoader workers (if any) persist across evals
-            self._test_loader = BatchLoader(wl.test, wl.loader)
-        loss, acc = evaluate_workload(self.server.model, wl, self._test_loader)
-        train_loss = (sum(self.recent_losses) / len(self.recent_losses)
-                      if self.recent_losses else None)
-        self.recent_losses = []
-        row = self.log.record(
-            time_s=t, samples=self.applied_samples,
-            epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
-            test_loss=loss, test_accuracy=acc, train_loss=train_loss,
-            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
-            extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
-        observe_evaluations(self.server, [row])  # ReduceLROnPlateau: from the next update on
-        while self.next_eval <= self.applied_samples:
-            self.next_eval += self.eval_every
-        while self.eval_every_s > 0 and self.next_eval_s <= t:
-            self.next_eval_s += self.eval_every_s
-        paused = time.perf_counter() - start
-        self.eval_pause_s += paused
-        for w in self.busy:
-            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
-        if self.progress is not None:
-            self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
     def _on_lost(self, w: int, reason: str) -> None:
         if w in self.joining:
@@ -435,8 +254,8 @@ class Coordinator:
         self.live.discard(w)
         self.busy.discard(w)
         self.lost.append(w)
-        self.buffered[w].clear()
-        self._to_shards({"kind": "drop", "worker": w})
+        self.loop.buffered[w].clear()
+        self.shards.send({"kind": "drop", "worker": w})
         name = self.p.cluster.devices[w].name
         log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
                     "remain", w, w + 1, name, reason, len(self.live))
@@ -445,9 +264,7 @@ class Coordinator:
                           f"{name}: {reason})")
             return
         self._publish_slots()
-        decision = self.strategy.on_worker_lost(w)
-        if decision is not None and not self.allreduce:
-            self._decide(decision)
+        self.protocol.on_lost(self.strategy.on_worker_lost(w))
 
     # ---- joins (hetrain.engine.join) ------------------------------------------------------
     def _free_slots(self) -> list[int]:
@@ -473,8 +290,8 @@ class Coordinator:
         self.outbox.forget(rank)
         self.inbox.add(rank, a.link)
         self.joining.add(w)
-        self.outbox.send(self._setup_msg(w, None, {"ranks": [], "sizes": [
-            sum(p.numel() for p in self.block_params[0])]}), rank)
+        self.outbox.send(self._setup_msg(w, None, {"ranks": [],
+                                                   "sizes": self.shards.sizes[:1]}), rank)
         self.inbox.expect(rank, self.cfg.dist.init_timeout_s)
         log.warning("hetrain: join request %d authenticated: worker %d (device %s) is "
                     "setting up", a.ticket, w, self.p.cluster.devices[w].name)
@@ -496,16 +313,16 @@ class Coordinator:
         self.live.add(w)
         self.joined.append({"worker": w, "time_s": self.clock(),
                             "version": self.server.version,
-                            "applied_samples": self.applied_samples,
+                            "applied_samples": self.loop.applied_samples,
                             "pushes_before": mine.pushes,
-                            "applied_before": self.applied_by[w]})
+                            "applied_before": self.loop.applied_by[w]})
         self._publish_slots()
         log.warning("hetrain: worker %d (rank %d, device %s) joined at update %d; %d worker(s) "
                     "live", w, w + 1, self.p.cluster.devices[w].name, self.server.version,
                     len(self.live))
         decision = self.strategy.on_worker_joined(w)
         if decision is not None:
-            self._decide(decision)
+            self.loop.decide(decision)
 
     def _join_failed(self, w: int, reason: str) -> None:
         self.joining.discard(w)
@@ -524,7 +341,7 @@ class Coordinator:
         try:
             return self._run()
         finally:
-            self.log.close()
+            self.loop.close()
             if self.joins is not None:
                 self.joins.close()
 
@@ -548,20 +365,21 @@ class Coordinator:
     def _start(self) -> None:
         if self.cfg.train.resume:
             self._restore()
-        self._snapshot()
+        self.checkpoints.snapshot()
         self._send_setup()
         self._await_ready()
         self._publish_slots()  # `hetrain join` may take a slot from now on
         self.t0 = time.perf_counter()
         if not self.log.rows:
-            self._evaluate()
+            self.loop.evaluate()
         for w in sorted(self.live):
             self._release(w)
 
     def _loop(self) -> None:
-        while not self.done and self.error is None:
-            if self.allreduce and self.lost:
-                self.error = "a collective strategy cannot go on without its lost worker(s)"
+        while not self.loop.done and self.error is None:
+            blocked = self.protocol.blocked()
+            if blocked is not None:
+                self.error = blocked
                 break
             if not self.inbox.waiting:
                 self.error = (f"strategy '{self.strategy.name}' waits for pushes that cannot "
@@ -585,28 +403,29 @@ class Coordinator:
         end_s = self.clock()
         if self.joins is not None:
             self.joins.close()
-        if self.log.rows and self.log.rows[-1]["samples"] != self.applied_samples \
-                and self.error is None:
-            self._evaluate()
+        if self.error is None:
+            self.loop.evaluate_last()
         self._drain()
         ckpt = self._try_checkpoint()
         self._stop_workers()
         if self.error is not None:
             raise WorkerLostError(f"run '{self.cfg.name}' stopped: {self.error}"
-                                  f"{self._where(ckpt)}")
+                                  f"{self.checkpoints.where(ckpt)}")
         return self._summary(end_s)
 
     def _stop_interrupted(self, e: RunInterrupted) -> None:
         """Checkpoint the last update and stop the workers, without waiting long for tasks
         in flight (their samples were not applied and are drawn again on resume)."""
         log.warning("hetrain: %s; checkpointing and stopping the workers", e)
-        ckpt = None if self.allreduce else self._try_checkpoint()  # the server has the model
+        first = self.protocol.checkpoint_before_drain  # the server has the model
+        ckpt = self._try_checkpoint() if first else None
         self.inbox.cap(WORKER_GRACE_S)
         self._drain()
-        if self.allreduce:  # a waiting worker has it
+        if not first:  # a waiting worker has it
             ckpt = self._try_checkpoint()
         self._stop_workers(WORKER_GRACE_S)
-        raise RunInterrupted(f"run '{self.cfg.name}' {e}{self._where(ckpt)}", e.signum)
+        raise RunInterrupted(f"run '{self.cfg.name}' {e}{self.checkpoints.where(ckpt)}",
+                             e.signum)
 
     def _try_checkpoint(self) -> Path | None:
         try:
@@ -614,16 +433,6 @@ class Coordinator:
         except WorkerLostError as e:
             log.warning("hetrain: no checkpoint: %s", e)
             return None
-
-    def _where(self, ckpt: Path | None) -> str:
-        if ckpt is not None:
-            return (f"; checkpoint of the last update: {ckpt} (continue with the same command "
-                    f"and --resume)")
-        if self.run_dir is None:
-            return "; no checkpoint (the run has no run folder)"
-        if not self.cfg.train.checkpoint:
-            return "; no checkpoint (train.checkpoint = false)"
-        return "; no checkpoint could be written (no worker left holds the model)"
 
     def _drain(self) -> None:
         """Collect the in-flight pushes; their samples are not applied (the run has ended)."""
@@ -638,7 +447,7 @@ class Coordinator:
 
     def _stop_workers(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.cfg.dist.worker_timeout_s
-        self._flush_applies()
+        self.protocol.flush()
         self.live |= self.joining  # a joiner still setting up is stopped like the others
         self.joining.clear()
         for w in sorted(self.live):
@@ -648,11 +457,7 @@ class Coordinator:
             kind, src, obj, _ = self.inbox.next()
             if kind == "msg":
                 self._take_times(src - 1, obj)
-        self._to_shards({"kind": "stop"})  # after the workers, which said bye to them too
-        for rank in self.shard_ranks:
-            self.inbox.expect(rank, timeout_s)
-        while self.inbox.waiting:
-            self.inbox.next()
+        self.shards.stop(timeout_s)  # after the workers, which said bye to them too
         self.outbox.wait_all()
 
     def _on_lost_quiet(self, w: int, reason: str) -> None:
@@ -662,24 +467,18 @@ class Coordinator:
         self.outbox.forget(w + 1)
         self.live.discard(w)
         self.lost.append(w)
-        self._to_shards({"kind": "drop", "worker": w})
+        self.shards.send({"kind": "drop", "worker": w})
 
     def _summary(self, end_s: float) -> RunResult:
-        cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
-        ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
-        if self.emulation.get("mode") != "none":
-            ideal /= self.emulation.get("time_scale", 1.0)
-        for w, times in enumerate(self.log.workers):
-            times.unsent_samples = self.drawn_by[w] - self.applied_by[w]
-        extra = {"engine": "dist", "strategy": self.strategy.name, "cluster": cluster.name,
-                 "unsent_samples": sum(self.drawn_by) - sum(self.applied_by),
-                 "workload": self.p.workload.name, "n_workers": cluster.n,
-                 "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
-                 "strategy_stats": self.strategy.stats(), "config": self.cfg.to_dict(),
-                 "emulation": self.emulation, "lost_workers": self.lost,
-                 "joined_workers": [j["worker"] for j in self.joined], "joins": self.joined,
-                 "applied_samples_by_worker": list(self.applied_by),
-                 "ps_shards": len(self.block_params),
-                 "emulation_overruns": self.overruns, "eval_pause_s": self.eval_pause_s,
-                 "ps_device": str(self.device), "worker_devices": self.worker_devices}
-        return self.log.summarise(time_s=end_s, ideal_samples_per_s=ideal, extra=extra)
+        em = self.emulation
+        return self.loop.summary(
+            engine="dist", time_s=end_s,
+            unsent=[drawn - applied for drawn, applied in zip(self.drawn_by,
+                                                              self.loop.applied_by, strict=True)],
+            ideal_scale=em.get("time_scale", 1.0) if em.get("mode") != "none" else 1.0,
+            emulation=em, lost_workers=self.lost,
+            joined_workers=[j["worker"] for j in self.joined], joins=self.joined,
+            applied_samples_by_worker=list(self.loop.applied_by),
+            ps_shards=len(self.shards.blocks), emulation_overruns=self.overruns,
+            eval_pause_s=self.eval_pause_s, ps_device=str(self.device),
+            worker_devices=self.worker_devices)

@@ -32,8 +32,10 @@ from torch import Tensor, nn
 
 from hetrain.compress import Compressor
 from hetrain.config import RunConfig
-from hetrain.engine.core import Server, follow_plateau
-from hetrain.engine.wire import Outbox, pump, send_obj
+from hetrain.engine.core import Server, copy_flat_into, follow_plateau
+from hetrain.engine.devices import host_tree
+from hetrain.engine.signals import WorkerLostError
+from hetrain.engine.wire import Inbox, Outbox, pump, send_obj
 
 log = logging.getLogger("hetrain.dist")
 JOIN_S = 10.0
@@ -53,6 +55,69 @@ def partition(numels: Sequence[int], shards: int) -> list[tuple[int, int]]:
         bounds.append(min(range(lo, hi + 1), key=lambda e: abs(cum[e] - target)))
     bounds.append(len(numels))
     return list(pairwise(bounds))
+
+
+class ShardFanout:
+    """Rank 0's end of the shards: its model's parameters split into blocks (block 0 its own,
+    block s on rank n + s), and the commands it sends them, in order."""
+
+    def __init__(self, model: nn.Module, shards: int, n_workers: int) -> None:
+        params = list(model.parameters())
+        self.blocks = [params[a:b] for a, b in partition([p.numel() for p in params], shards)]
+        """The parameter tensors of each shard; block 0 is rank 0's own."""
+        self.ranks = [n_workers + s for s in range(1, len(self.blocks))]
+        self.optimizers: tuple[dict[str, Any], ...] = ()
+        """A resumed run's optimizer states of shards 1..S-1 (sent with their setup)."""
+        self.outbox: Outbox | None = None
+        self.inbox: Inbox | None = None
+        self.timeout_s = 0.0
+
+    def connect(self, outbox: Outbox, inbox: Inbox, timeout_s: float) -> None:
+        """The links to the shards (made once the inbox knows their ranks)."""
+        self.outbox, self.inbox, self.timeout_s = outbox, inbox, timeout_s
+
+    @property
+    def sizes(self) -> list[int]:
+        return [sum(p.numel() for p in b) for b in self.blocks]
+
+    def setup(self, update: str, outer: Any, version: int) -> None:
+        assert self.outbox is not None
+        for s, rank in enumerate(self.ranks, 1):
+            self.outbox.send({"kind": "setup", "update": update, "outer": outer,
+                              "version": version,
+                              "params": [host_tree(p) for p in self.blocks[s]],
+                              "optimizer": self.optimizers[s - 1] if self.optimizers else None},
+                             rank)
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        """A command to every shard ("apply", "drop", "state", "stop")."""
+        assert self.outbox is not None
+        for rank in self.ranks:
+            self.outbox.send(cmd, rank)
+
+    def gather(self) -> list[dict[str, Any]]:
+        """Copy every shard's block into rank 0's model (as of the latest update: a shard
+        runs commands in order); returns the shards' optimizer states."""
+        assert self.inbox is not None
+        self.send({"kind": "state"})
+        optimizers = []
+        for s, rank in enumerate(self.ranks, 1):
+            kind, _, msg, _ = self.inbox.request(rank, self.timeout_s)
+            if kind == "lost":
+                raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {msg}")
+            copy_flat_into(self.blocks[s], msg["params"])
+            optimizers.append(msg["optimizer"])
+        return optimizers
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the shards (after the workers, which said bye to them too) and wait for their
+        bye."""
+        assert self.inbox is not None
+        self.send({"kind": "stop"})
+        for rank in self.ranks:
+            self.inbox.expect(rank, timeout_s)
+        while self.inbox.waiting:
+            self.inbox.next()
 
 
 class Shard:

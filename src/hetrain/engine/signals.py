@@ -33,6 +33,10 @@ class RunInterrupted(HetrainError):
         self.signum = signum
 
 
+class WorkerLostError(HetrainError):
+    """A synchronous run cannot go on without a worker that died or hung."""
+
+
 class StopSignal:
     """Records SIGINT/SIGTERM for rank 0; `safe_point()` marks where they may raise."""
 

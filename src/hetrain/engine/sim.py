@@ -21,7 +21,6 @@ one reads the state only: a run's numbers are the same with checkpoints or witho
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import heapq
 import signal
 from collections import deque
@@ -42,23 +41,20 @@ from hetrain.engine.checkpoint import (
     save_checkpoint,
 )
 from hetrain.engine.core import (
-    Buffered,
     DataOwner,
     Replica,
     Server,
     TaskResult,
     next_task,
-    observe_evaluations,
-    schedule_metrics,
-    take_applied,
 )
 from hetrain.engine.devices import host_tree
+from hetrain.engine.loop import RunLoop
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import RunInterrupted, StopSignal
 from hetrain.errors import ConfigError
-from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
-from hetrain.strategies import Decision, Push, WorkTask
-from hetrain.workloads import BatchLoader, evaluate_workload
+from hetrain.report.metrics import MetricsLog, RunResult
+from hetrain.strategies import Decision, Push, Strategy, WorkTask
+from hetrain.workloads import BatchLoader
 
 PUSH_START, PUSH_ARRIVE, COLLECTIVE_DONE = 0, 1, 2
 
@@ -91,17 +87,16 @@ class Simulator:
                                  f"time_s >= 0, 0 <= device < {prep.cluster.n}, factor > 0")
         self.speed_schedule = sorted(speed_schedule, key=lambda e: e[0])
         cfg, cluster, wl = prep.cfg, prep.cluster, prep.workload
-        self.strategy = prep.strategy
-        self.progress = progress
         torch.manual_seed(cfg.train.seed)
-        self.server = Server(wl.build_model(), self.strategy.update, cfg.optimizer,
-                             self.strategy.outer())
+        self.server = Server(wl.build_model(), prep.strategy.update, cfg.optimizer,
+                             prep.strategy.outer())
+        self.now = 0.0
+        self.loop = RunLoop(prep, self.server, self, lambda: self.now, progress)
         init = self.server.params()
         self.replicas = []
-        # One loader per data set: the replicas run one task at a time in this process, so
+        # One loader for the replicas: they run one task at a time in this process, so
         # DataLoader workers (loader num_workers) are shared rather than started per replica.
         self.train_loader = BatchLoader(wl.train, wl.loader)
-        self.test_loader = BatchLoader(wl.test, wl.loader)
         for _ in range(cluster.n):
             rep = Replica(wl, wl.build_model(), cfg.optimizer, precision=cfg.train.precision,
                           loader=self.train_loader)
@@ -116,31 +111,20 @@ class Simulator:
                 raise ConfigError(f"train.compress_pulls needs a compressor with error feedback "
                                   f"(topk, fp16); '{prep.compressor.name}' is not one")
             self.shadow = [init.clone() for _ in range(cluster.n)]
-        self.owner = DataOwner(prep.ctx.train_samples, cfg.train.seed)
         self.events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.inflight: dict[int, _InFlight] = {}
-        self.buffered: dict[int, deque[Buffered]] = {
-            w: deque() for w in range(cluster.n)}
         self.ready_at = [0.0] * cluster.n
         self.nic_free = {"in": 0.0, "out": 0.0}
         self.ps_busy_until = 0.0
-        self.applied_samples = 0
-        self.max_samples = int(cfg.stop.max_epochs * prep.ctx.train_samples)
-        self.eval_every = max(1, int(cfg.train.eval_every_epochs * prep.ctx.train_samples))
-        self.next_eval = 0
-        self.eval_every_s = cfg.train.eval_every_s
-        self.next_eval_s = 0.0
-        self.recent_losses: list[float] = []
-        self.now = 0.0
-        self.done = False
         self.unreleased: tuple[list[int], float, float] = ([], 0.0, 0.0)
         """The releases of the Decision the run stopped at (not made: the run ended)."""
         self.run_dir = run_dir
         self.checkpointing = run_dir is not None and cfg.train.checkpoint
         """train.checkpoint with a run directory: write runs/<name>/checkpoint.pt."""
-        self.updates_since_ckpt = 0
-        self.checkpoint_due = False
+        self.checkpoint_pending = False
+        self._at = (0.0, 0.0)
+        """The time and all-reduce seconds of the Decision being carried out (`_decide`)."""
         self.stop_signal = StopSignal()
         self.resumed = False
         if self.checkpointing or cfg.train.resume:
@@ -148,14 +132,46 @@ class Simulator:
         st = self._restore() if cfg.train.resume else None  # before the metrics files change
         if st is None and run_dir is not None and not cfg.train.checkpoint:
             checkpoint_path(run_dir).unlink(missing_ok=True)  # an earlier run's, not this one's
-        self.log = MetricsLog(cfg.name, [WorkerTimes(d.name) for d in cluster.devices], run_dir,
-                              cfg.stop.target_accuracy, cfg.stop.target_loss,
-                              tensorboard=cfg.train.tensorboard)
+        self.loop.open_log(run_dir)
         if st is not None:
-            self.log.workers = st.workers
-            self.log.tta_s, self.log.tta_samples = st.tta
-            self.log.restore(st.rows, st.version)  # re-write the metrics files of the run so far
-            observe_evaluations(self.server, st.rows)  # the plateau state
+            self.loop.restore_log(st)  # re-writes the metrics files of the run so far
+
+    # The loop's state, by the names callers have always used.
+    @property
+    def strategy(self) -> Strategy:
+        return self.loop.strategy
+
+    @property
+    def owner(self) -> DataOwner:
+        return self.loop.owner
+
+    @property
+    def log(self) -> MetricsLog:
+        return self.loop.log
+
+    @property
+    def applied_samples(self) -> int:
+        return self.loop.applied_samples
+
+    # ---- RunLoop's Engine hooks -------------------------------------------------------------
+    def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
+        self.server.apply(items)
+        self.now = self._at[0]
+
+    def release(self, worker: int) -> None:
+        self._release(worker, *self._at)
+
+    def checkpoint_due(self) -> None:
+        self.checkpoint_pending = True  # taken once this event is handled (`_run`)
+
+    def busy_workers(self) -> set[int]:
+        return set(self.inflight)
+
+    def sync_model(self) -> None:
+        """The server's model is the global model."""
+
+    def evaluated(self, pause_s: float) -> None:
+        """Evaluations take no virtual time."""
 
     # ---- clock model ------------------------------------------------------------------------
     def _schedule(self, t: float, kind: int, payload: Any) -> None:
@@ -203,7 +219,7 @@ class Simulator:
         if self.strategy.update == "delta" and self.p.cfg.train.local_residual:
             params = self.feedback[w].local_start(params)
         rep.load(params, self.server.buffers())
-        batches = [self.owner.take(task.batch_size) for _ in range(task.local_steps)]
+        batches = [self.loop.owner.take(task.batch_size) for _ in range(task.local_steps)]
         result = rep.run(task, self.strategy.update, batches)
         device = self.p.cluster.devices[w]
         factor = next((f for s, d, f in reversed(self.speed_schedule) if d == w and s <= t), 1.0)
@@ -230,16 +246,12 @@ class Simulator:
     def _push_arrive(self, w: int, t: float) -> None:
         f = self.inflight.pop(w)
         update = self.p.compressor.extract(f.payload)
-        self.buffered[w].append((update, f.result.buffers, f.result.samples))
         self.ready_at[w] = t
-        times = self.log.workers[w]
-        times.samples += f.result.samples
-        times.pushes += 1
-        self.recent_losses.append(f.result.loss)
-        decision = self.strategy.on_push(Push(
+        decision = self.loop.on_push(Push(
             worker=w, base_version=f.base_version, samples=f.result.samples,
             steps=f.result.steps, loss=f.result.loss, compute_s=f.compute_s,
-            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t, probe=f.result.probe))
+            comm_s=f.pull_s + (t - f.push_started_s), arrival_s=t, probe=f.result.probe),
+            (update, f.result.buffers, f.result.samples))
         if self.strategy.comm == "allreduce" and decision.apply:
             nbytes = f.payload.nbytes
             ar = self.p.cluster.ring_allreduce_time_s(nbytes, [w for w, _ in decision.apply])
@@ -252,56 +264,12 @@ class Simulator:
             self._decide(decision, t)
 
     def _decide(self, decision: Decision, t: float, collective_s: float = 0.0) -> None:
-        if decision.apply:
-            self._apply(decision, t)
-        if self.done:
+        """Carry out a Decision at time t (after an all-reduce of collective_s seconds)."""
+        self._at = (t, collective_s)
+        if not self.loop.decide(decision):
             # Kept for a resumed run that goes further (a larger stop.max_epochs): it makes
             # these releases first, as this run would have without its stop.
             self.unreleased = (list(decision.release), t, collective_s)
-            return
-        for w in decision.release:
-            self._release(w, t, collective_s)
-
-    def _apply(self, decision: Decision, t: float) -> None:
-        items, samples = take_applied(self.buffered, decision, self.strategy.name)
-        self.applied_samples += samples
-        self.server.apply(items)
-        self.now = t
-        self.updates_since_ckpt += 1
-        if (t >= self.next_eval_s if self.eval_every_s > 0
-                else self.applied_samples >= self.next_eval):
-            self._evaluate(t)
-        if self._should_stop(t):
-            self.done = True
-        every = self.p.cfg.train.checkpoint_every
-        if every and self.updates_since_ckpt >= every and not self.done:
-            self.checkpoint_due = True  # taken once this event is handled (`_run`)
-
-    def _should_stop(self, t: float) -> bool:
-        stop = self.p.cfg.stop
-        return (self.applied_samples >= self.max_samples
-                or (stop.max_time_s > 0 and t >= stop.max_time_s)
-                or (stop.stop_at_target and self.log.target_reached()))
-
-    def _evaluate(self, t: float) -> None:
-        wl = self.p.workload
-        loss, acc = evaluate_workload(self.server.model, wl, self.test_loader)
-        train_loss = sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses \
-            else None
-        self.recent_losses = []
-        row = self.log.record(
-            time_s=t, samples=self.applied_samples,
-            epoch=self.applied_samples / self.p.ctx.train_samples, updates=self.server.version,
-            test_loss=loss, test_accuracy=acc, train_loss=train_loss,
-            bytes_total=sum(w.bytes_sent + w.bytes_received for w in self.log.workers),
-            extra={**self.strategy.metrics(), **schedule_metrics(self.server)})
-        observe_evaluations(self.server, [row])  # ReduceLROnPlateau: from the next update on
-        while self.next_eval <= self.applied_samples:
-            self.next_eval += self.eval_every
-        while self.eval_every_s > 0 and self.next_eval_s <= t:
-            self.next_eval_s += self.eval_every_s
-        if self.progress is not None:
-            self.progress(min(1.0, self.applied_samples / self.max_samples), row)
 
     # ---- main loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -309,23 +277,23 @@ class Simulator:
             return self._run()
         finally:
             self.train_loader.close()
-            self.test_loader.close()
-            self.log.close()
+            self.loop.close()
 
     def _run(self) -> RunResult:
         with self._signals():
+            loop = self.loop
             if self.resumed:
-                self.done = self._should_stop(self.now)  # the config may stop later now
-                if not self.done:
+                loop.done = loop.should_stop()  # the config may stop later now
+                if not loop.done:
                     workers, t, collective_s = self.unreleased
                     self.unreleased = ([], 0.0, 0.0)
                     for w in workers:
                         self._release(w, t, collective_s)
             else:
-                self._evaluate(0.0)
+                loop.evaluate()
                 for w in range(self.p.cluster.n):
                     self._release(w, 0.0)
-            while self.events and not self.done:
+            while self.events and not loop.done:
                 t, _, kind, payload = heapq.heappop(self.events)
                 if kind == PUSH_START:
                     self._push_start(payload, t)
@@ -335,29 +303,19 @@ class Simulator:
                     decision, ar = payload
                     self._decide(decision, t, collective_s=ar)
                 # Between two events: the state is whole, a checkpoint can be taken.
-                if self.checkpoint_due:
+                if self.checkpoint_pending:
                     self.checkpoint()
                 if self.stop_signal.signum is not None:
                     self._interrupted()
-            if self.log.rows[-1]["samples"] != self.applied_samples:
-                self._evaluate(self.now)
+            loop.evaluate_last()
             self.checkpoint()
         # Work never applied: tasks in flight at the stop (pushing or not) and pushes buffered
         # at the server that no Decision applied. With applied_samples they account for every
         # sample drawn from the data owner.
-        for w, times in enumerate(self.log.workers):
-            f = self.inflight.get(w)
-            times.unsent_samples = (f.result.samples if f is not None else 0) + sum(
-                samples for _, _, samples in self.buffered[w])
-        cluster, fps = self.p.cluster, self.p.ctx.flops_per_sample
-        ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
-        extra = {"engine": "sim", "strategy": self.strategy.name, "cluster": cluster.name,
-                 "unsent_samples": sum(t.unsent_samples for t in self.log.workers),
-                 "workload": self.p.workload.name, "n_workers": cluster.n,
-                 "flops_per_sample": fps, "model_bytes": self.p.ctx.model_bytes,
-                 "strategy_stats": self.strategy.stats(), "config": self.p.cfg.to_dict()}
-        return self.log.summarise(time_s=self.now, ideal_samples_per_s=ideal, extra=extra)
-
+        unsent = [(self.inflight[w].result.samples if w in self.inflight else 0)
+                  + sum(samples for _, _, samples in loop.buffered[w])
+                  for w in range(self.p.cluster.n)]
+        return loop.summary(engine="sim", time_s=self.now, unsent=unsent)
 
     # ---- checkpoints ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -382,8 +340,8 @@ class Simulator:
 
     def checkpoint(self) -> Path | None:
         """Write the whole state to runs/<name>/checkpoint.pt (None: not checkpointing)."""
-        self.checkpoint_due = False
-        self.updates_since_ckpt = 0
+        self.checkpoint_pending = False
+        self.loop.updates_since_ckpt = 0
         if not self.checkpointing:
             return None
         assert self.run_dir is not None
@@ -403,23 +361,15 @@ class Simulator:
             "shadow": self.shadow,
             "events": list(self.events), "seq": self._seq,
             "inflight": {w: dict(vars(f)) for w, f in self.inflight.items()},
-            "buffered": {w: list(q) for w, q in self.buffered.items()},
+            "buffered": {w: list(q) for w, q in self.loop.buffered.items()},
             "ready_at": list(self.ready_at), "nic_free": dict(self.nic_free),
-            "ps_busy_until": self.ps_busy_until, "next_eval_s": self.next_eval_s,
-            "recent_losses": list(self.recent_losses), "unreleased": self.unreleased,
+            "ps_busy_until": self.ps_busy_until, "next_eval_s": self.loop.next_eval_s,
+            "recent_losses": list(self.loop.recent_losses), "unreleased": self.unreleased,
             "torch_rng": torch.get_rng_state(),
             "compressor_rng": generator.get_state() if isinstance(generator, torch.Generator)
             else None,
         }
-        return ServerState(
-            model=host_tree(self.server.model.state_dict()),
-            optimizer=host_tree(self.server.optimizer.state_dict()),
-            version=self.server.version, strategy=self.strategy, owner=self.owner,
-            applied_samples=self.applied_samples, next_eval=self.next_eval,
-            elapsed_s=self.now, rows=list(self.log.rows),
-            workers=[dataclasses.replace(w) for w in self.log.workers],
-            tta=(self.log.tta_s, self.log.tta_samples), lost=[],
-            config=self.p.cfg.to_dict(), engine="sim", sim=sim)
+        return self.loop.server_state(elapsed_s=self.now, lost=[], engine="sim", sim=sim)
 
     def _restore(self) -> ServerState:
         """Continue from runs/<name>/checkpoint.pt (train.resume): everything but the metrics
@@ -427,7 +377,7 @@ class Simulator:
         workload, cluster, optimizer, strategy or engine, or one whose state does not fit this
         run, is one ConfigError (before any file of the run is touched)."""
         cfg = self.p.cfg
-        st = load_checkpoint(self.run_dir, self.strategy.name, cfg.to_dict(), engine="sim")
+        st = load_checkpoint(self.run_dir, self.loop.strategy.name, cfg.to_dict(), engine="sim")
         path = checkpoint_path(self.run_dir)  # type: ignore[arg-type]
         try:
             self._load_state(st)
@@ -442,10 +392,7 @@ class Simulator:
         s, n = st.sim, self.p.cluster.n
         if len(s["replicas"]) != n or len(st.workers) != n:
             raise ValueError(f"it holds {len(s['replicas'])} workers, the cluster has {n}")
-        self.server.model.load_state_dict(st.model)
-        self.server.optimizer.load_state_dict(st.optimizer)
-        self.server.version = st.version
-        self.strategy, self.owner = st.strategy, st.owner
+        self.loop.restore(st)
         for rep, r in zip(self.replicas, s["replicas"], strict=True):
             rep.model.load_state_dict(r["model"])
             rep.optimizer.load_state_dict(r["optimizer"])
@@ -458,13 +405,12 @@ class Simulator:
         heapq.heapify(self.events)  # already a heap, unless the file was edited
         self._seq = s["seq"]
         self.inflight = {w: _InFlight(**f) for w, f in s["inflight"].items()}
-        self.buffered = {w: deque(s["buffered"].get(w, ())) for w in range(n)}
+        self.loop.buffered = {w: deque(s["buffered"].get(w, ())) for w in range(n)}
         self.ready_at, self.nic_free = list(s["ready_at"]), dict(s["nic_free"])
-        self.ps_busy_until, self.next_eval_s = s["ps_busy_until"], s["next_eval_s"]
-        self.recent_losses = list(s["recent_losses"])
+        self.ps_busy_until, self.loop.next_eval_s = s["ps_busy_until"], s["next_eval_s"]
+        self.loop.recent_losses = list(s["recent_losses"])
         workers, t, collective_s = s["unreleased"]
         self.unreleased = (list(workers), float(t), float(collective_s))
-        self.applied_samples, self.next_eval = st.applied_samples, st.next_eval
         self.now = st.elapsed_s
         generator = getattr(self.p.compressor, "generator", None)
         if isinstance(generator, torch.Generator) and s["compressor_rng"] is not None:
