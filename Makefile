@@ -22,12 +22,14 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 # The unit tests without the ones that start processes (subprocesses, gloo ranks, the dist
 # engine): a quick check while editing; `make test` stays the CI command.
 test-fast: setup
 	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
 	$(PY) -m pytest -m 'not slow and not multiproc'
 
 test-slow: setup
@@ -35,6 +37,7 @@ test-slow: setup
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .pytest_cache .ruff_cache .mypy_cache

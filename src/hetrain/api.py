@@ -45,7 +45,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -372,6 +372,12 @@ def _loader_options(options: Mapping[str, Any] | None, from_loader: Mapping[str,
 
 
 # ---- options ----------------------------------------------------------------------------------
+def _torch_optimizer_class(cls: Any) -> TypeGuard[type[torch.optim.Optimizer]]:
+    """Whether `cls` is an optimizer class torch.optim exports under its own name."""
+    return (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and getattr(torch.optim, cls.__name__, None) is cls)
+
+
 def _optimizer_table(optimizer: Any) -> dict[str, Any]:
     """A dict, a torch optimizer class, (class, kwargs) or functools.partial(class, **kwargs)
     -> the [optimizer] table. The engines rebuild the optimizer on every replica from it:
@@ -386,10 +392,9 @@ def _optimizer_table(optimizer: Any) -> dict[str, Any]:
         cls, kwargs = optimizer.func, dict(optimizer.keywords)
     elif isinstance(optimizer, tuple) and len(optimizer) == 2:
         cls, kwargs = optimizer[0], dict(optimizer[1])
-    name = _TORCH_OPTIMIZERS.get(cls)  # type: ignore[call-overload]
+    name = _TORCH_OPTIMIZERS.get(cls)
     if name is None:
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-                and getattr(torch.optim, cls.__name__, None) is cls):
+        if not _torch_optimizer_class(cls):
             raise ConfigError(f"optimizer {optimizer!r} is not supported; give a dict like "
                               "{'name': 'sgd', 'lr': 0.05} or a torch.optim optimizer class "
                               "(as a class, (class, kwargs) or functools.partial)")

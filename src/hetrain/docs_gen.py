@@ -17,12 +17,15 @@ import itertools
 import sys
 import textwrap
 from collections.abc import Callable
-from functools import cache
-from typing import Any
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any
 
 from hetrain import cluster as cluster_mod
 from hetrain import config as config_mod
 from hetrain.validate import FIELD_LIMITS, OPTION_LIMITS, Limit
+
+if TYPE_CHECKING:
+    from hetrain.strategies.base import Strategy
 
 CONFIG_SECTIONS: tuple[tuple[str, type], ...] = tuple(
     (name, cls) for name, cls in config_mod._SECTIONS.items())
@@ -142,12 +145,19 @@ def _run_section() -> list[str]:
         out += [f"## [{name}]", ""]
         if intro := _first_line(cls):
             out += [intro, ""]
-        out += [*field_table(cls, limits=lambda key, n=name: FIELD_LIMITS.get(f"{n}.{key}")),
-                ""]
+        out += [*field_table(cls, limits=partial(_field_limit, name)), ""]
     return out
 
 
-def builtin_strategies() -> dict[str, type]:
+def _field_limit(section: str, key: str) -> Limit | None:
+    return FIELD_LIMITS.get(f"{section}.{key}")
+
+
+def _option_limit(strategy: str, key: str) -> Limit | None:
+    return OPTION_LIMITS.get(("strategy", strategy, key))
+
+
+def builtin_strategies() -> dict[str, type[Strategy]]:
     """Registered strategies that ship with hetrain (user-registered ones are left out)."""
     from hetrain.strategies import REGISTRY
 
@@ -164,8 +174,7 @@ def _strategy_section() -> list[str]:
         out += [f"### name = \"{name}\"", "",
                 f"{_first_line(cls)} (comm `{cls.comm}`, update `{cls.update}`)", ""]
         if any(f.init for f in dataclasses.fields(cls)):
-            out += [*field_table(
-                cls, limits=lambda key, n=name: OPTION_LIMITS.get(("strategy", n, key))), ""]
+            out += [*field_table(cls, limits=partial(_option_limit, name)), ""]
         else:
             out += ["No options.", ""]
     return out
@@ -204,9 +213,9 @@ def _workload_section() -> list[str]:
         out.append(f"| `{name}` | {', '.join(sorted(MODEL_INPUTS[name]))} | "
                    f"{_cell(_signature_options(fn, skip=2))} |")
     out += ["", "| dataset | what | options |", "|---|---|---|"]
-    for name, fn in sorted(DATASETS.items()):
-        out.append(f"| `{name}` | {_cell(_first_line(fn))} | "
-                   f"{_cell(_signature_options(fn))} |")
+    for name, load in sorted(DATASETS.items()):
+        out.append(f"| `{name}` | {_cell(_first_line(load))} | "
+                   f"{_cell(_signature_options(load))} |")
     return [*out, ""]
 
 

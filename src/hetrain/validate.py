@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hetrain.errors import ConfigError
 
@@ -248,9 +248,12 @@ def check_number(where: str, value: Any, limit: Limit, hint: str = "") -> int | 
                           f"without a decimal point){hint}")
     if not isinstance(value, numbers.Integral) and not math.isfinite(float(value)):
         raise ConfigError(f"{where} must be a finite number ({want}), got {value!r}{hint}")
-    if not limit.contains(value):
+    # typeshed leaves the numeric tower vague (int and float are no numbers.Real to a type
+    # checker): a Real (int, float, a numpy scalar) compares and returns as a float does
+    number = cast(float, value)
+    if not limit.contains(number):
         raise ConfigError(f"{where} must be {want}, got {value!r}{hint}")
-    return value
+    return number
 
 
 def check_fields(section: str, obj: Any) -> None:
@@ -357,9 +360,14 @@ def _check_value(key: str, label: str, value: Any, tp: Any, limit: Limit | None)
             check_number(at, v, limit)
         elif not isinstance(v, numbers.Integral) and not math.isfinite(float(v)):
             raise ConfigError(f"{at} must be a finite number, got {v!r}")
-        elif isinstance(v, numbers.Integral) and abs(v) > INT_OPTION_MAX:
+        elif isinstance(v, numbers.Integral) and abs(int(v)) > INT_OPTION_MAX:
             raise ConfigError(f"{at} must be an integer of magnitude <= {INT_OPTION_MAX}, "
                               f"got {v}")
+
+
+def _constructor(cls: type[Any]) -> Callable[..., Any]:
+    """`cls.__init__`, self first (mypy refuses `__init__` on a value narrowed to `type`)."""
+    return cls.__init__
 
 
 def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
@@ -380,7 +388,7 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
         allowed = [f.name for f in fields]
         hints = _hints(consumer)
     else:
-        fn = consumer.__init__ if isinstance(consumer, type) else consumer
+        fn = _constructor(consumer) if isinstance(consumer, type) else consumer
         params = list(inspect.signature(fn).parameters.values())[skip:]
         if isinstance(consumer, type):
             params = params[1:]  # self

@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
 def explain_goodput(config: str, noise_scale: float = 0.0, as_json: bool = False) -> int:
     from hetrain.cli.run import demo_config
     from hetrain.engine.setup import prepare
-    from hetrain.plan.goodput import explain, lone_goodput
+    from hetrain.strategies.auto import Auto
 
     check_number("--noise-scale", noise_scale, non_negative(1e12), "0: the prior")
     cfg = demo_config() if config == "demo" else load_config(config)
@@ -47,12 +47,9 @@ def explain_goodput(config: str, noise_scale: float = 0.0, as_json: bool = False
         options["noise_scale"] = noise_scale
     cfg = dataclasses.replace(cfg, strategy=StrategyConfig("auto", options))
     prep = prepare(cfg)
-    strategy = prep.strategy
-    plan = strategy.goodput_plan
-    lone = lone_goodput(prep.ctx.cluster, strategy._stat(), strategy._grid,
-                        prep.ctx.flops_per_sample)
-    plan = dataclasses.replace(plan, alternatives={"fastest device alone": lone})
-    lines = explain(plan, prep.cluster, strategy._costs(), strategy.min_device_batch)
+    assert isinstance(prep.strategy, Auto)  # the config names it
+    plan, lines = prep.strategy.explain_plan(prep.cluster, prep.ctx.flops_per_sample)
+    lone = plan.alternatives["fastest device alone"]
     out = Output(quiet=False, as_json=as_json)
     out.json({"ps_site": plan.ps_site, "global_batch": plan.global_batch,
               "local_steps": plan.local_steps, "lr_scale": plan.lr_scale,

@@ -96,7 +96,7 @@ def _unreadable(path: Path, why: str) -> ConfigError:
                        "not a checkpoint of this hetrain version; move it away and start afresh")
 
 
-def _lookup(config: dict[str, Any], dotted: str) -> Any:
+def _lookup(config: dict[str, Any] | None, dotted: str) -> Any:
     value: Any = config
     for part in dotted.split("."):
         value = value.get(part) if isinstance(value, dict) else None

@@ -328,7 +328,7 @@ def _dec_object(v: Any, src: Any, depth: int) -> Any:
         missing = {f.name for f in dataclasses.fields(cls) if f.init} - set(attrs)
         if missing:
             raise CodecError(f"{name} lacks field(s) {sorted(missing)}")
-    obj = object.__new__(cls)
+    obj: object = object.__new__(cls)
     obj.__dict__.update({k: _dec(x, src, depth) for k, x in attrs.items()})
     return obj
 

@@ -350,6 +350,7 @@ class Server:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.lr()
         agg = sum(w * u for w, u, _ in weighted)
+        assert isinstance(agg, Tensor)  # not sum's start 0: `weighted` is not empty
         set_flat_grads(self.owned, agg)
         if self.clip_grad_norm > 0:  # gradient strategies: the server's step on the aggregate
             clip_gradients(self.owned, self.clip_grad_norm)
@@ -358,5 +359,7 @@ class Server:
         with torch.no_grad():
             for k, buf in enumerate(float_buffers(self.model)):
                 if total > 0:
-                    buf.copy_(sum(w * bufs[k] for w, _, bufs in weighted) / total)
+                    mean = sum(w * bufs[k] for w, _, bufs in weighted) / total
+                    assert isinstance(mean, Tensor)  # `weighted` is not empty
+                    buf.copy_(mean)
         self.version += 1

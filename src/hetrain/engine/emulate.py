@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +41,8 @@ from hetrain.workloads import Workload
 EMULATE_MODES = ("none", "cluster", "relative")
 """none: run at the machine's speed; cluster: budgets from the Cluster's devices and links;
 relative: budgets from the measured solo step time x K x slowdown (`calibrated_cluster`)."""
+
+T = TypeVar("T")
 
 
 def sleep_until(deadline_s: float) -> float:
@@ -67,7 +70,7 @@ class Throttle:
             return 0.0
         return self.time_scale * self.device.compute_time_s(samples, self.flops_per_sample, steps)
 
-    def run(self, fn: Callable[[], object], samples: int, steps: int) -> tuple[object, float]:
+    def run(self, fn: Callable[[], T], samples: int, steps: int) -> tuple[T, float]:
         """Run a task padded to its budget: (result, elapsed seconds incl. padding)."""
         start = time.perf_counter()
         out = fn()

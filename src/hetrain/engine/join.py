@@ -148,8 +148,12 @@ class JoinDesk:
                 item = self._ready.get_nowait()
             except queue.Empty:
                 break
-            self.pending.discard(item.worker if isinstance(item, Admitted) else item)
-            (admitted if isinstance(item, Admitted) else failed).append(item)
+            if isinstance(item, Admitted):
+                self.pending.discard(item.worker)
+                admitted.append(item)
+            else:
+                self.pending.discard(item)
+                failed.append(item)
         if failed:
             self.publish(free)
         now = time.monotonic()
@@ -194,7 +198,8 @@ class JoinDesk:
         try:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(_key(ticket, "pg/"), self.store), 0, 2,
                                        self.timeout)
-            link = Link(1, raw=pg)
+            # torch's stubs omit send/recv on Backend, which ProcessGroupGloo has at run time
+            link = Link(1, raw=pg)  # type: ignore[arg-type]
             ok = auth.join_challenge(link, self.secret, ticket)
         except Exception as e:  # it left, or never connected
             log.warning("hetrain: join request %d (worker %d) failed before it proved the "
@@ -309,7 +314,8 @@ def request_slot(target: Target, run: str, worker: int | None, wait_s: float,
     slot = int(answer.split()[1])
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore(_key(ticket, "pg/"), store), 1, 2, timeout)
-        link = Link(0, raw=pg)
+        # torch's stubs omit send/recv on Backend, which ProcessGroupGloo has at run time
+        link = Link(0, raw=pg)  # type: ignore[arg-type]
         auth.join_respond(link, target.secret, ticket)
     except (RuntimeError, dist.DistError) as e:
         raise ConfigError(f"run '{run}' closed the join link: "

@@ -253,7 +253,8 @@ def _overhead_worker(rank: int, world: int, port: int, secret: str, cluster: Clu
             opt.zero_grad(set_to_none=True)
             wl.loss(net, data).backward()
             sleep_until(deadline)
-            grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+            grads = torch.cat([p.grad.reshape(-1) if p.grad is not None  # unused in the loss
+                               else torch.zeros_like(p).reshape(-1) for p in net.parameters()])
             dist.all_reduce(grads, group=group)
             opt.step()
             ends.append(time.perf_counter())

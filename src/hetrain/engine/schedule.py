@@ -64,8 +64,8 @@ def _build(optimizer: torch.optim.Optimizer, name: str,
     subs = [_build(optimizer, sub["name"], {k: v for k, v in sub.items() if k != "name"})
             for sub in options.get("schedulers", [])]
     if name == "ChainedScheduler":
-        return cls(subs, optimizer=optimizer, **rest)
-    return cls(optimizer, schedulers=subs, **rest)
+        return lr_scheduler.ChainedScheduler(subs, optimizer=optimizer, **rest)
+    return lr_scheduler.SequentialLR(optimizer, schedulers=subs, **rest)
 
 
 def scheduler_names() -> list[str]:
@@ -112,7 +112,7 @@ class LrSchedule:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._scheduler = _build(self._optimizer, self.name, self.options)
-        self._factors: deque[float] = deque([self._scheduler.get_last_lr()[0]],
+        self._factors: deque[float] = deque([float(self._scheduler.get_last_lr()[0])],
                                             maxlen=self.cache)
         self._last = 0
         """The step of the newest factor, self._factors[-1]."""
@@ -133,7 +133,7 @@ class LrSchedule:
             except ValueError:  # a scheduler that refuses to go on
                 self._ended = True
         self._factors.append(self._factors[-1] if self._ended
-                             else self._scheduler.get_last_lr()[0])
+                             else float(self._scheduler.get_last_lr()[0]))
 
     def factor(self, step: int) -> float:
         if step < 0:
@@ -164,6 +164,8 @@ class PlateauSchedule(LrSchedule):
     "min", the default) or test accuracy (mode "max"); factor(step) is the factor in force at
     global step `step`: the one set by the latest evaluation at or before it."""
 
+    _scheduler: lr_scheduler.ReduceLROnPlateau
+
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         self.name = "ReduceLROnPlateau"
         self.options = dict(options or {})
@@ -178,12 +180,16 @@ class PlateauSchedule(LrSchedule):
         return next(f for s, f in reversed(self._changes) if s <= step)
 
     def observe(self, step: int, test_loss: float, test_accuracy: float | None) -> None:
-        if self._scheduler.mode == "max" and test_accuracy is None:
+        if self._scheduler.mode == "min":
+            metric = test_loss
+        elif test_accuracy is None:  # mode "max"
             raise ConfigError("optimizer.scheduler ReduceLROnPlateau with mode = \"max\" "
                               "follows the test accuracy, which this run does not measure "
                               "(a train_step without eval_fn); use mode = \"min\" (the test "
                               "loss)")
-        self._scheduler.step(test_loss if self._scheduler.mode == "min" else test_accuracy)
+        else:
+            metric = test_accuracy
+        self._scheduler.step(metric)
         self._change(step, self._optimizer.param_groups[0]["lr"])
 
     def follow(self, step: int, factor: float) -> None:

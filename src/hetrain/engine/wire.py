@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,12 +59,21 @@ def decode(data: torch.Tensor) -> Any:
     return messages.check(codec.unpack(data))
 
 
+class RawGroup(Protocol):
+    """A raw, unregistered group's point-to-point methods (c10d's, as a ProcessGroup and a
+    backend such as ProcessGroupGloo have them)."""
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work: ...
+
+
 class Link:
     """One peer: `peer` in `group` (None: the default group), or in a raw, unregistered
-    ProcessGroup (`raw`: a joiner's private pair, whose send/recv are the c10d methods)."""
+    group (`raw`: a joiner's private pair, whose send/recv are the c10d methods)."""
 
     def __init__(self, peer: int, group: dist.ProcessGroup | None = None,
-                 raw: dist.ProcessGroup | None = None) -> None:
+                 raw: RawGroup | None = None) -> None:
         self.peer, self.group, self.raw = peer, group, raw
 
     def isend(self, t: torch.Tensor) -> Any:

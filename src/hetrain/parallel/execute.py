@@ -79,10 +79,10 @@ def from_placements(placements: Sequence[Placement]) -> NdSbp | None:
     return tuple(out)
 
 
-def box(x: DTensor, placements: list[Placement], comm: MeshComm | None) -> DTensor:
+def box(x: DTensor, placements: Sequence[Placement], comm: MeshComm | None) -> DTensor:
     """Redistribute along the cost model's cheapest boxing path (e.g. the hierarchical
     all-reduce on a 2-D mesh), one mesh axis per step; directly when no path applies."""
-    if list(x.placements) == placements:
+    if list(x.placements) == list(placements):
         return x
     src, dst = from_placements(x.placements), from_placements(placements)
     if comm is None or src is None or dst is None or x.ndim == 0:
@@ -92,7 +92,7 @@ def box(x: DTensor, placements: list[Placement], comm: MeshComm | None) -> DTens
     return x
 
 
-def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: list[Placement],
+def _as_dtensor(x: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                 comm: MeshComm | None = None) -> Tensor:
     if isinstance(x, DTensor):
         return box(x, placements, comm)

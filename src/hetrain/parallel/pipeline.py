@@ -31,6 +31,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,10 @@ from hetrain.parallel.execute import PlanExecutor
 from hetrain.plan.cost import Plan, stage_graphs
 from hetrain.plan.graph import LayerGraph
 
+if TYPE_CHECKING:
+    from hetrain.workloads.gpt import GPT
+    from hetrain.workloads.models import ConvNet
+
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -56,25 +61,25 @@ class Piece:
     """The graph op where the piece begins (it runs up to the next piece's start)."""
     modules: tuple[str, ...]
     """Module paths it calls: its stage keeps them."""
-    run: Callable[[nn.Module, Tensor], Tensor]
-    """(the stage's copy of the model, input) -> output."""
+    run: Callable[[Any, Tensor], Tensor]
+    """(the stage's copy of the model, of the class model_pieces split, input) -> output."""
 
 
 # ---- pieces of the models the planner has graphs for -----------------------------------------
-def _gpt_embed(m: nn.Module, idx: Tensor) -> Tensor:
+def _gpt_embed(m: GPT, idx: Tensor) -> Tensor:
     t = idx.shape[1]
     if t > m.block_size:
         raise ValueError(f"gpt: sequence length {t} exceeds block_size {m.block_size}")
     return m.drop(m.tok_emb(idx) + m.pos_emb(torch.arange(t, device=idx.device)))
 
 
-def _gpt_attn(i: int, m: nn.Module, x: Tensor) -> Tensor:
-    b = m.blocks[i]
+def _gpt_attn(i: int, m: GPT, x: Tensor) -> Tensor:
+    b = m.block(i)
     return x + b.attn(b.ln1(x))
 
 
-def _gpt_mlp(i: int, m: nn.Module, x: Tensor) -> Tensor:
-    b = m.blocks[i]
+def _gpt_mlp(i: int, m: GPT, x: Tensor) -> Tensor:
+    b = m.block(i)
     return x + b.mlp(b.ln2(x))
 
 
@@ -82,7 +87,7 @@ def _child(path: str, m: nn.Module, x: Tensor) -> Tensor:
     return m.get_submodule(path)(x)
 
 
-def _conv_in(path: str, m: nn.Module, x: Tensor) -> Tensor:
+def _conv_in(path: str, m: ConvNet, x: Tensor) -> Tensor:
     return m.get_submodule(path)(x.reshape(x.shape[0], *m.in_shape))
 
 
@@ -291,11 +296,12 @@ class PipelineExecutor:
             return
         s, j = where[rank]
         self.first, self.last = s == 0, s == k - 1
-        self.module = StageModule(model, layout.stages[s], meshes[s], keep_dtensor=self.last)
-        if meshes[s] is not None:
+        mesh = meshes[s]
+        self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last)
+        if mesh is not None:
             a, b = stage_graphs(graph, plan)[s]
             self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
-                                     Plan(plan.graph, (plan.stages[s],)), meshes[s], loss_fn)
+                                     Plan(plan.graph, (plan.stages[s],)), mesh, loss_fn)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
         # stage t's peer in group j is device j of stage t (the group orders ranks, not stages)
         stage.stage_index_to_group_rank = {t: dist.get_group_rank(p2p[j], r[j])

@@ -25,14 +25,14 @@ def register_cpu_sdpa_sharding() -> None:
         return
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
-    def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):  # type: ignore[no-untyped-def]
+    def _fwd(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
         out = []
         for p in (Replicate(), Shard(0), Shard(1)):
             out.append(([p, p], [p, p, p, None, None]))
         return out
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    def _bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,  # type: ignore[no-untyped-def]
+    def _bwd(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
              attn_mask=None, scale=None):
         res = []
         for p in (Replicate(), Shard(0), Shard(1)):

@@ -117,7 +117,7 @@ def run_graph(workload: Workload, model: nn.Module, batch: int) -> LayerGraph:
 
     name = workload.name.rsplit("-", 1)[1]
     if isinstance(model, GPT):
-        blk = model.blocks[0]
+        blk = model.block(0)
         return gpt_graph(len(model.blocks), model.tok_emb.embedding_dim,
                          model.tok_emb.embedding_dim // blk.attn.head_dim,
                          model.tok_emb.num_embeddings, workload.input_shape[0], batch,

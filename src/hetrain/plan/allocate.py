@@ -179,8 +179,9 @@ def _round(fixed_s: np.ndarray, per_unit_s: np.ndarray, caps_u: np.ndarray, x_un
     return y
 
 
-def allocate(fixed_s: Sequence[float], per_sample_s: Sequence[float], total_samples: int,
-             caps: Sequence[float] | None = None, granularity: int = 1) -> Allocation:
+def allocate(fixed_s: Sequence[float] | np.ndarray, per_sample_s: Sequence[float] | np.ndarray,
+             total_samples: int, caps: Sequence[float] | np.ndarray | None = None,
+             granularity: int = 1) -> Allocation:
     """Integer shares (multiples of `granularity`) minimising the makespan of one round.
 
     fixed_s[j] = a_j, per_sample_s[j] = b_j (inf: the device cannot take samples), caps[j] the

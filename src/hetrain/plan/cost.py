@@ -326,7 +326,8 @@ class StageTables:
             comp[k] = overhead + factor * op.flops / split / speed
             w = sg.weight
             if w is not None:
-                grad = tuple(weight_grad_placement(a.split, a.weight) for a in sg.axes)
+                grad = tuple(weight_grad_placement(a.split, wk)
+                             for a, wk in zip(sg.axes, w, strict=True))
                 sync[k] = self.comm.boxing_s(grad, w, op.weight_shape, op.dtype_bytes)
                 bias = _bias_of(op, w)
                 if bias is not None:

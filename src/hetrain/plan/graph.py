@@ -13,6 +13,7 @@ Three builders: `gpt_graph` and `vgg_graph` from a model description (no torch n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -253,7 +254,7 @@ def graph_from_module(model: Any, example_input: Any, name: str = "traced") -> L
 
     records: list[tuple[str, nn.Module, tuple[int, ...], tuple[int, ...]]] = []
 
-    def hook(mod_name: str):  # type: ignore[no-untyped-def]
+    def hook(mod_name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def fn(mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             if isinstance(out, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
                 records.append((mod_name, mod, tuple(args[0].shape), tuple(out.shape)))

@@ -213,7 +213,7 @@ def _valid_states(divisible: tuple[tuple[bool, ...], ...], ms: tuple[int, ...]) 
     ks = (*ms, math.prod(ms))
     # a representative shape with the same divisibility: the lcm of the sizes that divide
     shape = tuple(math.lcm(*(k for k, ok in zip(ks, div, strict=True) if ok), 1) for div in divisible)
-    options = [B, P, *(Split(d) for d in range(len(shape)))]
+    options: list[Sbp] = [B, P, *(Split(d) for d in range(len(shape)))]
     return frozenset(nd for nd in itertools.product(options, repeat=len(ms)) if _divides(shape, nd, ms))
 
 
@@ -344,7 +344,7 @@ class MeshComm:
         """Dijkstra from src over the placements of a tensor, one axis changing per step."""
         total = float(math.prod(shape)) * dtype_bytes
         ms = self.mesh.shape
-        options = [B, P, *(Split(d) for d in range(len(shape)))]
+        options: list[Sbp] = [B, P, *(Split(d) for d in range(len(shape)))]
         valid = _valid_states(tuple(tuple(size % k == 0 for k in (*ms, math.prod(ms)))
                                     for size in shape), ms)
         dist, heap, tie, done = {src: 0.0}, [(0.0, 0, src)], itertools.count(1), set()

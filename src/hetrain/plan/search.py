@@ -420,17 +420,17 @@ def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]
                             ("flops", flops_bounds)):
             if bounds is not None:
                 tried.setdefault(tuple(bounds), how)
-        for bounds, how in tried.items():
+        for cuts, how in tried.items():
             stages = []
             try:
                 for j, mesh in enumerate(meshes):
-                    tab = copy.copy(stage_tables(micro.subgraph(bounds[j], bounds[j + 1]), mesh,
+                    tab = copy.copy(stage_tables(micro.subgraph(cuts[j], cuts[j + 1]), mesh,
                                                  cluster, cost_options))
                     tab.mem = micro_memory(tab, m)  # the stage search sees GPipe's memory
                     stages.append((tab, search_stage(tab, o)[0]))
             except ConfigError:
                 continue
-            sizes = [b - a for a, b in itertools.pairwise(bounds)]
+            sizes = [b - a for a, b in itertools.pairwise(cuts)]
             out.append((to_plan(graph, stages, m), f"pipeline {k} stages x {m} micro "
                         f"{[len(g) for g in groups]} {how} split {sizes} ops"))
     return out

@@ -40,9 +40,11 @@ def comparison_table(runs: list[RunResult]) -> Table:
     target = next((r.summary.get("target_accuracy") for r in runs
                    if r.summary.get("target_accuracy")), None)
     engines = {r.summary.get("engine") for r in runs}
-    clock = {frozenset({"sim"}): "virtual s",
-             frozenset({"dist"}): "wall s of training: start-up and evaluations excluded"}.get(
-        frozenset(engines), "sim: virtual s, dist: wall s; speed-ups within an engine")
+    clocks: dict[frozenset[str | None], str] = {
+        frozenset({"sim"}): "virtual s",
+        frozenset({"dist"}): "wall s of training: start-up and evaluations excluded"}
+    clock = clocks.get(frozenset(engines),
+                       "sim: virtual s, dist: wall s; speed-ups within an engine")
     title = f"time to {target:.0%} test accuracy ({clock})" if target else f"runs ({clock})"
     t = Table(title=title)
     mixed = len(engines) > 1

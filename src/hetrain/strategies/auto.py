@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
 from hetrain.plan.allocate import Allocation
 from hetrain.plan.goodput import (
@@ -46,6 +47,8 @@ from hetrain.plan.goodput import (
     batch_grid,
     best_for,
     cluster_costs,
+    explain,
+    lone_goodput,
     search,
 )
 from hetrain.plan.noise import GradientNoiseScale
@@ -164,6 +167,16 @@ class Auto(CADP):
 
     def ps_placement(self) -> str | None:
         return self.ps_site
+
+    def explain_plan(self, cluster: Cluster, flops_per_sample: float
+                     ) -> tuple[GoodputPlan, list[str]]:
+        """The plan in force, with the goodput of the fastest device alone beside it, and
+        the plan in words (`hetrain plan --goodput`); `cluster`: the run's, PS placed."""
+        if self.goodput_plan is None:
+            raise RuntimeError("strategy auto: explain_plan before setup")
+        lone = lone_goodput(cluster, self._stat(), self._grid, flops_per_sample)
+        plan = replace(self.goodput_plan, alternatives={"fastest device alone": lone})
+        return plan, explain(plan, cluster, self._costs(), self.min_device_batch)
 
     def _check_interval(self, ctx: RunContext) -> int:
         return max(1, int(self.replan_every_epochs * ctx.train_samples))

@@ -168,7 +168,7 @@ class CADP(Strategy):
         caps_work = RoundWork(samples=self.samples_per_round, flops_per_sample=ctx.flops_per_sample,
                               model_bytes=ctx.model_bytes, memory_fixed_bytes=4 * ctx.model_bytes,
                               memory_per_sample_bytes=per_sample_mem)
-        self._caps = round_costs(cl, caps_work)[2]
+        self._caps: list[float] | np.ndarray = round_costs(cl, caps_work)[2]  # array once lost
         self._planned_caps = self._caps.copy()   # a rejoining device gets its cap back
         self.rounds = self.replans = 0
         self._held = np.zeros(n, dtype=np.int64)       # samples a device has cached

@@ -99,6 +99,13 @@ class GPT(nn.Module):
         if tie_weights:
             self.head.weight = self.tok_emb.weight
 
+    def block(self, i: int) -> Block:
+        """Block i, typed as one (an item of an nn.ModuleList is a plain Module to a type
+        checker)."""
+        b = self.blocks[i]
+        assert isinstance(b, Block)
+        return b
+
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

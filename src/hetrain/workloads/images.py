@@ -45,8 +45,8 @@ class ImageFiles(Dataset):
 
         path, label = self.samples[i]
         try:
-            with Image.open(path) as im:
-                im = im.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
+            with Image.open(path) as f:
+                im = f.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
                 arr = np.asarray(im, dtype=np.float32) / 255.0
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
             raise _unreadable(path, e) from None

@@ -54,7 +54,8 @@ def mlp(
     input_shape: tuple[int, ...], num_classes: int, *, hidden: Sequence[int] = (128, 128)
 ) -> nn.Module:
     """Flatten -> [Linear -> ReLU] per hidden size -> Linear."""
-    dims, layers = [math.prod(input_shape), *hidden], [nn.Flatten()]
+    dims = [math.prod(input_shape), *hidden]
+    layers: list[nn.Module] = [nn.Flatten()]
     for a, b in itertools.pairwise(dims):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(dims[-1], num_classes))

@@ -83,6 +83,8 @@ def _corpus(
         if total >= max_chars:
             break
     text = "".join(chunks)
+    ids: np.ndarray
+    chars: str | None
     if vocab == "bytes":
         ids, chars = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)[:max_chars], None
     else:
