@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,13 @@ def _random_bytes(n: int, seed: int = 0) -> bytes:
     import random
 
     return random.Random(seed).randbytes(n)
+
+
+class _Payload:
+    """Unpickling this runs `touch PWNED` (what a crafted checkpoint would carry)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("touch PWNED",))
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,9 @@ RUN_CASES = [
     Case("text_path_missing", {"workload": {"model": "gpt", "dataset": "text",
                                             "dataset_options": {"paths": "nope"}}},
          says="text: path 'nope' does not exist"),
+    Case("text_corpus_binary", {"workload": {"model": "gpt", "dataset": "text",
+                                             "dataset_options": {"paths": "t.txt"}}},
+         files={"t.txt": _random_bytes(3000) + b"\0"}, says="text: 't.txt' is a binary file"),
     Case("imagefolder_needs_root", {"workload": {"dataset": "imagefolder"}},
          says="needs option(s) ['root']"),
     Case("imagefolder_root_missing", {"workload": {"dataset": "imagefolder",
@@ -273,6 +284,12 @@ RUN_CASES = [
     Case("resume_on_the_simulator", args=("--resume",), says="there is no checkpoint"),
     Case("resume_without_checkpoint", args=("--engine", "dist", "--resume"),
          says="there is no checkpoint"),
+    # checkpoints that are not what a run wrote (benchmarks/probe_inputs.py found these)
+    Case("resume_empty_checkpoint", args=("--resume",), files={"runs/tiny/checkpoint.pt": b""},
+         says="runs/tiny/checkpoint.pt' cannot be read (EOFError)"),
+    Case("resume_raw_pickle_checkpoint", args=("--resume",),
+         files={"runs/tiny/checkpoint.pt": pickle.dumps(_Payload())},
+         says="refused unread by the weights-only reader, so nothing in it ran"),
     Case("engine_flag_bad", args=("--engine", "gpu"), says="argument --engine: invalid choice"),
     Case("unknown_flag", args=("--fast",), says="unrecognized arguments: --fast"),
     # dist: PS shards that cannot work fail before any process is spawned
@@ -340,10 +357,22 @@ OTHER_CASES = [
          says="not a JSON object"),
     Case("report_metrics_damaged", argv=("report", "r"),
          files={"r/summary.json": "{}", "r/metrics.jsonl": "{bad\n"}, says="line 1"),
+    Case("report_summary_wrong_types", argv=("report", "r"),
+         files={"r/summary.json": '{"tta_s": "soon"}'}, says="'tta_s' is 'soon', not a number"),
+    Case("report_workers_not_objects", argv=("report", "r"),
+         files={"r/summary.json": '{"workers": [3]}'}, says="'workers' is not a list of objects"),
+    Case("report_metrics_row_missing_keys", argv=("report", "r", "--out", "o"),
+         files={"r/summary.json": '{"name": "r"}', "r/metrics.jsonl": '{"time_s": 1}\n'},
+         says="line 1 has no 'test_loss'"),
     Case("report_out_is_a_file", argv=("report", "r", "--out", "f"),
          files={"r/summary.json": '{"name": "r"}', "f": "x"}, says="'f' is a file"),
     Case("profile_missing_config", argv=("profile", "missing.toml"), says="not found"),
     Case("profile_steps_zero", argv=("profile", "c.toml", "--steps", "0"), says="--steps"),
+    Case("profile_steps_huge", argv=("profile", "c.toml", "--steps", "1000000000"),
+         says="--steps must be an integer >= 1 and <= 10000"),
+    Case("profile_out_in_missing_directory", argv=("profile", "c.toml", "--out", "no/cl.toml",
+                                                   "--profile-out", "no/p.json"),
+         says="--out 'no/cl.toml': the directory 'no' does not exist"),
     Case("profile_runs_dir_is_a_file", argv=("profile", "c.toml", "--runs-dir", "f"),
          files={"f": "x"}, says="'f' is a file"),
     Case("profile_bad_set", argv=("profile", "c.toml", "--set", "optimizer.lr=inf"),
@@ -362,6 +391,10 @@ OTHER_CASES = [
     Case("launch_ps_shards_100", argv=("launch", "c.toml", "--set", "dist.ps_shards=100"),
          config=strategy("asp"), says="dist.ps_shards = 100"),
     Case("unknown_command", argv=("train",), says="invalid choice: 'train'"),
+    Case("join_json_garbage", argv=("join", "c.toml"), config=strategy("asp"),
+         files={"runs/tiny/join.json": _random_bytes(200)}, says="join.json is damaged"),
+    Case("join_json_without_endpoint", argv=("join", "c.toml"), config=strategy("asp"),
+         files={"runs/tiny/join.json": '{"host": 5}'}, says="join.json is damaged"),
 ]
 
 
@@ -448,6 +481,35 @@ def test_bad_run_input_is_one_line_exit_2_and_writes_nothing(
 def test_bad_input_to_other_commands_is_one_line_exit_2(
         case: Case, outcomes: dict[str, Future[Outcome]]) -> None:
     _check(case, outcomes[case.id].result())
+
+
+def test_a_checkpoint_damaged_on_disk_is_refused_by_its_checksum(tmp_path: Path) -> None:
+    """torch's zip reader does not check its CRCs: a flipped byte in a tensor's record loads
+    as a wrong weight unless the checkpoint's own digest catches it."""
+    import torch
+
+    from hetrain.engine.checkpoint import (
+        ServerState,
+        checkpoint_path,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from hetrain.errors import ConfigError
+    from hetrain.strategies import make_strategy
+
+    weight = torch.full((64, 64), 0.25)
+    save_checkpoint(tmp_path, ServerState(
+        model={"w": weight}, optimizer={}, version=1, strategy=make_strategy("asp"),
+        owner=None, applied_samples=0, next_eval=0, elapsed_s=0.0, rows=[], workers=[],
+        tta=(None, None), lost=[], config={}))
+    assert load_checkpoint(tmp_path, "asp").model["w"].equal(weight)
+    path = checkpoint_path(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = bytes(data).index(weight.numpy().tobytes()[:64]) + 100  # inside the tensor's record
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="do not match their checksum"):
+        load_checkpoint(tmp_path, "asp")
 
 
 def test_case_ids_are_unique() -> None:

@@ -81,7 +81,8 @@ def test_corrupt_or_foreign_file_is_one_clear_error(tmp_path) -> None:
 def test_file_holds_only_tensors_and_plain_data(tmp_path) -> None:
     save_checkpoint(tmp_path, _state())
     data = torch.load(checkpoint_path(tmp_path), weights_only=True)  # no pickled objects
-    assert set(data) == {"format", "tree", "tensors"} and isinstance(data["tree"], str)
+    assert set(data) == {"format", "tree", "tensors", "digest"}
+    assert isinstance(data["tree"], str) and isinstance(data["digest"], str)
 
 
 @pytest.mark.parametrize("key, value, named", [

@@ -169,3 +169,16 @@ def test_killed_worker_in_cadp_is_replanned_and_the_run_goes_on(tmp_path,
     assert r.summary["workers"][1]["pushes"] == 2
     assert r.summary["epochs"] >= 0.2 - 1e-9
     assert r.summary["strategy_stats"]["replans"] >= 2
+
+
+def test_every_cadp_worker_lost_is_said_as_such_with_the_checkpoint(tmp_path,
+                                                                     mnist1d_cnn_small) -> None:
+    """Issue 14: when every cadp worker died the run ended on an allocator error. Now one
+    line says all were lost and where the checkpoint of the last update is."""
+    with pytest.raises(WorkerLostError, match=r"all 2 workers were lost.*checkpoint of the "
+                                              r"last update: .*checkpoint\.pt") as e:
+        run_distributed(make_cfg("cadp", epochs=0.2), run_dir=tmp_path / "c",
+                        faults=fail_at(rank=1, task=2).fail_at(rank=2, task=3),
+                        workload=mnist1d_cnn_small)
+    assert len(str(e.value).splitlines()) == 1
+    assert checkpoint_path(tmp_path / "c").is_file()

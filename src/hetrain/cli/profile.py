@@ -16,8 +16,10 @@ from pathlib import Path
 from hetrain.cli.output import Output
 from hetrain.cli.run import apply_overrides
 from hetrain.config import load_config
-from hetrain.errors import ConfigError
-from hetrain.validate import preflight
+from hetrain.validate import check_number, check_output_file, integer, preflight
+
+MAX_STEPS = 10_000
+"""Most timed steps per batch size (each worker times 3 x --steps steps)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,12 +52,11 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = apply_overrides(load_config(args.config), args.set)
     cfg = dataclasses.replace(cfg, engine="dist")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    check_number("--steps", args.steps, integer(1, MAX_STEPS))
     preflight(cfg, args.runs_dir if not (args.out and args.profile_out) else None)
     for flag, path in (("--out", args.out), ("--profile-out", args.profile_out)):
-        if path and Path(path).is_dir():
-            raise ConfigError(f"{flag} '{path}' is a directory; give a file path")
+        if path:  # before measuring, not when saving what was measured
+            check_output_file(path, flag)
     out = Output(args.quiet, args.json)
     m = measure(cfg, steps=args.steps, force=args.force)
     profile, cluster = m.profile, m.cluster

@@ -27,8 +27,11 @@ checkpoint of another model, data set, cluster, optimizer or strategy is refused
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import pickle
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,10 +88,29 @@ def save_checkpoint(run_dir: str | Path, state: ServerState) -> Path:
     tmp = path.with_suffix(".pt.tmp")
     tree, tensors = codec.to_tree({f.name: getattr(state, f.name)
                                    for f in dataclasses.fields(ServerState)})
-    torch.save({"format": FORMAT, "tree": json.dumps(tree, allow_nan=False),
-                "tensors": tensors}, tmp)
+    text = json.dumps(tree, allow_nan=False)
+    torch.save({"format": FORMAT, "tree": text, "tensors": tensors,
+                "digest": _digest(text, tensors)}, tmp)
     os.replace(tmp, path)
     return path
+
+
+def _digest(tree: str, tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tree and every tensor's bytes: torch's zip reader does not check its
+    CRCs, so a damaged tensor would otherwise resume silently with wrong weights."""
+    h = hashlib.sha256(tree.encode())
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _weights_only_detail(message: str) -> str:
+    """The line of torch's weights-only refusal that says what it met (its advice to load
+    with weights_only=False, which would run the file's code, is left out)."""
+    lines = [line.strip() for line in message.splitlines()[1:] if line.strip()]
+    skip = ("Please file", "Check the documentation", "WeightsUnpickler error")
+    return next((line for line in lines if not line.startswith(skip)), "not plain data")[:120]
 
 
 def _unreadable(path: Path, why: str) -> ConfigError:
@@ -117,9 +139,15 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
                           "and every train.checkpoint_every updates, unless train.checkpoint "
                           "= false)")
     try:
-        data = torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": the error says it
+            warnings.simplefilter("ignore")
+            data = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises many kinds for a bad zip, pickle or tensor record
-        raise _unreadable(path, str(e).splitlines()[0][:120] or type(e).__name__) from None
+        if isinstance(e, pickle.UnpicklingError) and "Weights only" in str(e):
+            raise _unreadable(path, f"refused unread by the weights-only reader, so nothing in "
+                              f"it ran: {_weights_only_detail(str(e))}") from None
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        raise _unreadable(path, first or type(e).__name__) from None
     if isinstance(data, dict) and data.get("kind") == PARALLEL_KIND:
         raise ConfigError(f"checkpoint '{path}' is of a [parallel] run (an AutoDDL plan), but "
                           f"this config has no [parallel] table (it runs strategy "
@@ -129,10 +157,13 @@ def load_checkpoint(run_dir: str | Path | None, strategy_name: str,
         got = data.get("format") if isinstance(data, dict) else None
         raise ConfigError(f"checkpoint '{path}' has format {got}, expected {FORMAT}; "
                           "start the run afresh")
+    digest = data.get("digest")  # absent in files written before it was added
     try:
+        if digest is not None and digest != _digest(data["tree"], list(data["tensors"])):
+            raise ValueError("its contents do not match their checksum: the file is damaged")
         fields = codec.from_tree(json.loads(data["tree"]), list(data["tensors"]))
         state = ServerState(**fields)
-    except (codec.CodecError, KeyError, TypeError, ValueError) as e:
+    except (codec.CodecError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise _unreadable(path, str(e)[:160]) from None
     if state.engine != engine:
         raise ConfigError(f"checkpoint '{path}' was written by the {state.engine} engine; "

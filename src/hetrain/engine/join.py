@@ -256,10 +256,18 @@ def find_target(run_dir: Path, endpoint: str = "", prefix: str = "",
     while not endpoint and not path.is_file() and time.monotonic() < deadline:
         time.sleep(0.25)
     if path.is_file():
+        loaded: Any = {}
         try:
-            info = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            info = {}
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+        except OSError:
+            pass
+        except ValueError:  # not JSON, or not UTF-8: not a file a run wrote
+            loaded = None
+        if not (isinstance(loaded, dict) and isinstance(loaded.get("endpoint"), str)) \
+                and not endpoint:
+            raise ConfigError(f"{path} is damaged (not the JSON object a run writes); give "
+                              "--endpoint HOST:PORT of the run's rendezvous")
+        info = loaded if isinstance(loaded, dict) else {}
     if not endpoint and not info:
         raise ConfigError(f"no running dist run '{run_dir.name}' to join: {path} does not "
                           "exist (it is there while a run started on this machine lasts); "

@@ -194,6 +194,7 @@ def load_run(path: str | Path) -> RunResult:
     if not isinstance(summary, dict):
         raise ConfigError(f"run summary '{summary_file}' holds {type(summary).__name__}, not "
                           "a JSON object: not a summary written by `hetrain run`")
+    _check_summary(summary, f"run summary '{summary_file}'")
     rows_file = run_dir / "metrics.jsonl"
     rows = []
     if rows_file.is_file():
@@ -204,8 +205,50 @@ def load_run(path: str | Path) -> RunResult:
                 if not isinstance(row, dict):
                     raise ConfigError(f"run metrics '{rows_file}' line {n} is not a JSON "
                                       f"object")
+                _check_types(row, ROW_NUMBERS, f"run metrics '{rows_file}' line {n}",
+                             required=("time_s", "test_loss", "test_accuracy"))
                 rows.append(row)
     return RunResult(str(summary.get("name", run_dir.name)), rows, summary, run_dir)
+
+
+SUMMARY_NUMBERS = ("tta_s", "final_accuracy", "best_accuracy", "epochs", "time_s",
+                   "hardware_efficiency", "bytes_total", "target_accuracy")
+SUMMARY_STRINGS = ("name", "strategy", "engine", "cluster")
+WORKER_NUMBERS = ("busy_s", "comm_s", "idle_s")
+ROW_NUMBERS = ("time_s", "test_loss", "test_accuracy", "noise_scale", "global_batch")
+"""The fields `hetrain report` computes or plots with: numbers (or null) when present."""
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_types(obj: dict[str, Any], numbers: tuple[str, ...], what: str,
+                 required: tuple[str, ...] = ()) -> None:
+    """A file damaged or edited by hand fails here with one line, not in a plot."""
+    for key in required:
+        if key not in obj:
+            raise ConfigError(f"{what} has no '{key}'; the file is damaged: rerun or leave "
+                              "this run out")
+    for key in numbers:
+        if obj.get(key) is not None and not _is_number(obj[key]):
+            raise ConfigError(f"{what}: '{key}' is {obj[key]!r}, not a number; the file is "
+                              "damaged: rerun or leave this run out")
+
+
+def _check_summary(summary: dict[str, Any], what: str) -> None:
+    _check_types(summary, SUMMARY_NUMBERS, what)
+    for key in SUMMARY_STRINGS:
+        if summary.get(key) is not None and not isinstance(summary[key], str):
+            raise ConfigError(f"{what}: '{key}' is {summary[key]!r}, not a string; the file "
+                              "is damaged: rerun or leave this run out")
+    workers = summary.get("workers", [])
+    if not isinstance(workers, list) or not all(isinstance(w, dict) for w in workers):
+        raise ConfigError(f"{what}: 'workers' is not a list of objects; the file is damaged: "
+                          "rerun or leave this run out")
+    for k, w in enumerate(workers):
+        _check_types(w, WORKER_NUMBERS, f"{what} workers[{k}]",
+                     required=("name", *WORKER_NUMBERS))
 
 
 def _parse_json(text: str, what: str) -> Any:

@@ -65,6 +65,10 @@ def _files(paths: Sequence[str], patterns: Sequence[str]) -> Iterator[Path]:
         if p.is_dir():
             yield from _walk(p, patterns)
         elif p.is_file():
+            with p.open("rb") as f:  # named by the user: refuse what is plainly not text
+                if b"\0" in f.read(65536):
+                    raise ConfigError(f"text: '{p}' is a binary file, not text; give a text "
+                                      "file or a directory")
             yield p
         else:
             raise ConfigError(f"text: path '{p}' does not exist (expected a text file or a directory)")
