@@ -101,7 +101,7 @@ def _digest(tree: str, tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256(tree.encode())
     for t in tensors:
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

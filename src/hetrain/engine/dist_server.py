@@ -147,6 +147,9 @@ class Coordinator:
     def busy_workers(self) -> set[int]:
         return set(self.busy)
 
+    def live_workers(self) -> set[int] | None:
+        return set(self.live)
+
     def evaluated(self, pause_s: float) -> None:
         """The clock leaves out rank 0's evaluations; so do the workers' deadlines."""
         self.eval_pause_s += pause_s

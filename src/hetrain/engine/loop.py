@@ -34,7 +34,7 @@ from hetrain.engine.core import (
 from hetrain.engine.devices import host_tree
 from hetrain.engine.setup import Prepared
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
-from hetrain.strategies import Decision, Push
+from hetrain.strategies import Decision, Push, check_decision
 from hetrain.workloads import BatchLoader, evaluate_workload
 
 
@@ -54,6 +54,9 @@ class Engine(Protocol):
 
     def busy_workers(self) -> set[int]:
         """The workers running a task now (released, their push not yet received)."""
+
+    def live_workers(self) -> set[int] | None:
+        """The workers not lost (None: every worker; the simulator loses none)."""
 
     def sync_model(self) -> None:
         """Make `server.model` the global model before an evaluation (the simulator's always
@@ -130,9 +133,8 @@ class RunLoop:
         update), then release its workers, unless the run stopped at that update. Every
         Decision that an engine carries out passes here. Returns whether the releases were
         made."""
-        # ---- CONTRACT CHECK (issue 18): the strategy contract's `check_decision` is called
-        # here, the one place every carried-out Decision passes, before anything of it is
-        # done (the busy workers: `self.engine.busy_workers()`). Wired at merge time. ----
+        check_decision(self.strategy, decision, n_workers=len(self.buffered),
+                       busy=self.engine.busy_workers(), live=self.engine.live_workers())
         if decision.apply:
             self.apply(decision)
         if self.done:

@@ -167,6 +167,9 @@ class Simulator:
     def busy_workers(self) -> set[int]:
         return set(self.inflight)
 
+    def live_workers(self) -> set[int] | None:
+        return None
+
     def sync_model(self) -> None:
         """The server's model is the global model."""
 

@@ -295,7 +295,8 @@ def choose_local_steps(comm_s: float, step_s: float, comm_fraction: float,
     return int(min(max_steps, max(min_steps, need)))
 
 
-def speed_weighted_local_steps(comm_s: Sequence[float], compute_s: Sequence[float],
+def speed_weighted_local_steps(comm_s: Sequence[float] | np.ndarray,
+                               compute_s: Sequence[float] | np.ndarray,
                                step_s: float, comm_fraction: float, min_steps: int = 1,
                                max_steps: int = 64) -> int:
     """H for a round whose shares follow the devices' speeds (every device busy step_s per
