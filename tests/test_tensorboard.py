@@ -174,7 +174,7 @@ def test_resumed_dist_run_shows_each_step_once(tmp_path, mnist1d_cnn_small) -> N
     pytest.importorskip("tensorboard")
     cfg = dist_cfg(checkpoint_every=2)
     with pytest.raises(WorkerLostError):
-        run_distributed(cfg, run_dir=tmp_path / "cut", faults=fail_at(rank=2, task=5),
+        run_distributed(cfg, run_dir=tmp_path / "cut", faults=fail_at(rank=2, task=3),
                         workload=mnist1d_cnn_small)
     assert not writer_threads()
     run_distributed(cfg.replace(train=replace(cfg.train, resume=True)), run_dir=tmp_path / "cut",
