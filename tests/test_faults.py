@@ -1,5 +1,6 @@
 """Faults on real processes, through the command line a user runs: a frozen worker, Ctrl-C,
-SIGTERM (then --resume), a ddp run stopped mid-way, a worker killed under torchrun.
+SIGTERM (then --resume), a ddp run stopped mid-way, a worker killed under `hetrain launch`
+and under torchrun.
 
 Each test starts `hetrain` as a subprocess in its own session and, whatever happens, kills
 every process it started (the `started` fixture, tests/procs.py)."""
@@ -94,6 +95,30 @@ def test_a_ddp_run_losing_a_worker_stops_with_the_checkpoint_it_promises(tmp_pat
     last = err.strip().splitlines()[-1]
     assert "cannot go on without its lost worker" in last and "checkpoint.pt" in last, err
     assert (runs / "trio" / "checkpoint.pt").is_file() and "Traceback" not in err
+
+
+def test_launch_drops_a_killed_worker_goes_on_and_checkpoints_on_sigterm(tmp_path,
+                                                                         started) -> None:
+    """`hetrain launch` on one machine: SIGKILL to one worker of an asynchronous run drops
+    it and the run trains on; SIGTERM to the launcher then checkpoints, stops the other
+    workers and exits 143 (no orphans)."""
+    runs = tmp_path / "runs"
+    proc = start([*HETRAIN, "launch", str(write_config(tmp_path, epochs=8)), "--runs-dir",
+                  str(runs), "--no-plot", "--quiet"], started)
+    wait_rows(runs / "trio", 3, proc)
+    workers = workers_of(proc)
+    assert len(workers) == 3
+    os.kill(workers[1], signal.SIGKILL)
+    rows = len((runs / "trio" / "metrics.jsonl").read_text().splitlines())
+    wait_rows(runs / "trio", rows + 2, proc)  # it goes on without the lost worker
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc, 60)
+    assert rc == 143, err
+    assert "lost" in err and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and "checkpoint.pt" in last, err
+    assert (runs / "trio" / "checkpoint.pt").is_file()
+    assert not [p for p in workers if alive(p)], "a worker process outlived the launcher"
 
 
 @pytest.mark.slow

@@ -317,6 +317,7 @@ def test_check_decision_accepts_what_the_contract_allows() -> None:
     check_decision(s, Decision(), n_workers=4, busy={1, 2})
     check_decision(s, None, n_workers=4, busy=set(), live={0, 1}, after="lost")  # rule 4's
     check_decision(s, None, n_workers=4, busy=set(), live=set(), after="lost")   # exception
+    check_decision(s, None, n_workers=4, busy=set(), live={0, 1}, after="push")  # and after
     with pytest.raises(ValueError, match="not live"):
         check_decision(s, Decision(), n_workers=4, busy={3}, live={0, 1})
 

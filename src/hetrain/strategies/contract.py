@@ -102,7 +102,11 @@ def check_decision(strategy: Strategy, decision: Decision | None, *, n_workers: 
             raise broken("3: an average's weights sum to 1", f"they sum to {total!r}")
 
     # 4. no deadlock: someone live still computes (a waiting worker is freed only by a push)
-    waived = after == "lost" and type(strategy).on_worker_lost is Strategy.on_worker_lost
+    # a strategy without its own on_worker_lost (a barrier) cannot go on once a worker is
+    # lost, at the loss or at a later push: the engine stops that run with a checkpoint (a
+    # join is not waived: a joining worker must be released or the run must go on without it)
+    waived = type(strategy).on_worker_lost is Strategy.on_worker_lost and (
+        after == "lost" or (after == "push" and len(live_set) < n_workers))
     if live_set and not busy_set and not released and not waived:
         raise broken("4: no deadlock", f"every live worker {sorted(live_set)} is waiting and "
                      "the decision releases none of them")
