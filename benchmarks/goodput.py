@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/goodput.py [--workload mnist1d-cnn|text-gpt]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--select-seeds 0 1 2]
         [--report-seeds 3 4 5] [--epochs E] [--jobs 2] [--from-json RESULTS.json]
+        [--widen-json RESULTS.json]
 
 On the simulator (virtual clock, real gradients), every run evaluated every 0.5 virtual
 seconds (the same time granularity for a lone device and a cluster). Workloads: the MNIST-1D
@@ -15,8 +16,10 @@ Systems:
     {8, 16, 32, 64} x lr {0.5, 1, 2} x the base lr on the selection seeds (runs stop at the
     harder target or the workload's time limit), one setting picked per target: the lowest
     median TTA over the selection seeds, settings that miss the target on any selection seed
-    ranked after those that never miss. Identical lone devices (hetero-8 and geo-16 share one)
-    are tuned once.
+    ranked after those that never miss. While a pick sits on the edge of what was tried, the
+    grid grows past that edge one step at a time (lr x 0.5 or x 2 at the picked batch, batch
+    / 2 or x 2 at the picked lr; at most WIDEN_ROUNDS rounds), so no pick is a corner of the
+    grid. Identical lone devices (hetero-8 and geo-16 share one) are tuned once.
 Reported on the held-out seeds only: per seed, lone TTA / auto TTA and ddp TTA / auto TTA; the
 median and min-max over seeds. Policy for a seed that misses a target within the epochs: its
 TTA is infinite (so a ratio is 0 when auto misses, inf when the other misses), and the miss
@@ -27,7 +30,9 @@ tuned lone device (hetrain.plan.goodput) at the noise scale auto planned with at
 lone device's goodput is its throughput x its batch's statistical efficiency (at the lr tuning
 chose for it, as the model assumes of every batch).
 Writes benchmarks/results/<--out, default goodput or goodput_gpt>.{json,md}; --from-json
-re-summarises a saved results file without running anything.
+re-summarises a saved results file without running anything; --widen-json widens the lone
+grid of a saved results file (runs only what it lacks: the simulator is deterministic for a
+seed, so the saved runs are what a fresh run would give).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ OUT = Path(__file__).parent / "results"
 EVAL_EVERY_S = 0.5
 LONE_BATCHES = (8, 16, 32, 64)
 LONE_LR_FACTORS = (0.5, 1.0, 2.0)
+WIDEN_ROUNDS = 3
+MIN_LONE_BATCH = 2
 BASE_BATCH = 32
 WORKLOADS: dict[str, dict[str, Any]] = {
     "mnist1d-cnn": {"workload": {"model": "cnn", "dataset": "mnist1d"},
@@ -223,8 +230,16 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default="", help="results name (default: the workload's)")
     ap.add_argument("--from-json", default="", help="re-summarise this results file")
+    ap.add_argument("--widen-json", default="",
+                    help="widen the lone grid of this results file (runs only what it lacks)")
     args = ap.parse_args()
-    if args.from_json:
+    if args.widen_json:
+        saved = json.loads(Path(args.widen_json).read_text())
+        for key in ("workload", "clusters", "select_seeds", "report_seeds"):
+            setattr(args, key.replace("-", "_"), saved[key])
+        args.epochs = saved["epochs"]
+        data = run_all(args, saved)
+    elif args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         data.setdefault("workload", "mnist1d-cnn")
         data["resummarised"] = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
@@ -240,43 +255,122 @@ def main() -> None:
     print(text)
 
 
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
+def make_job(args: argparse.Namespace, system: str, cluster: str, seed: int,
+             batch: int = BASE_BATCH, lr: float | None = None,
+             select: bool = False) -> dict[str, Any]:
     spec = WORKLOADS[args.workload]
-    targets, metric = spec["targets"], spec["metric"]
-    harder = max(targets) if metric == "accuracy" else min(targets)
-    base_lr = spec["optimizer"]["lr"]
-    epochs = args.epochs or spec["epochs"]
+    targets = spec["targets"]
+    harder = max(targets) if spec["metric"] == "accuracy" else min(targets)
+    return {"system": system, "workload": args.workload, "cluster": cluster, "seed": seed,
+            "batch": batch, "lr": spec["optimizer"]["lr"] if lr is None else lr,
+            "epochs": args.epochs or spec["epochs"],
+            "stop_target": harder if select else 0.0,
+            "max_time_s": spec["select_time_s"] if select else 0.0}
 
-    def job(system: str, cluster: str, seed: int, batch: int = BASE_BATCH,
-            lr: float = base_lr, select: bool = False) -> dict[str, Any]:
-        return {"system": system, "workload": args.workload, "cluster": cluster, "seed": seed,
-                "batch": batch, "lr": lr, "epochs": epochs,
-                "stop_target": harder if select else 0.0,
-                "max_time_s": spec["select_time_s"] if select else 0.0}
 
+def selection_record(run: dict[str, Any]) -> dict[str, Any]:
+    spec = WORKLOADS[run["workload"]]
+    return {k: run[k] for k in ("cluster", "seed", "batch", "lr")} | {
+        "tta_s": {str(t): tta(run["rows"], t, spec["metric"]) for t in spec["targets"]}}
+
+
+def beyond_edges(tried: set[tuple[int, float]], setting: tuple[int, float]
+                 ) -> list[tuple[int, float]]:
+    """The untried settings one step past each edge of `tried` that `setting` sits on."""
+    batch, lr = setting
+    lrs = [x for b, x in tried if b == batch]
+    batches = [b for b, x in tried if x == lr]
+    out = []
+    if lr <= min(lrs):
+        out.append((batch, lr * 0.5))
+    if lr >= max(lrs):
+        out.append((batch, lr * 2.0))
+    if batch <= min(batches) and batch // 2 >= MIN_LONE_BATCH:
+        out.append((batch // 2, lr))
+    if batch >= max(batches):
+        out.append((batch * 2, lr))
+    return [x for x in out if x not in tried]
+
+
+def widen(args: argparse.Namespace, pool: ProcessPoolExecutor,
+          selection: list[dict[str, Any]], first: dict[str, str]) -> list[dict[str, Any]]:
+    """Grow each lone device's grid past every edge a pick sits on (see the docstring)."""
+    targets = WORKLOADS[args.workload]["targets"]
+    for _ in range(WIDEN_ROUNDS):
+        jobs = []
+        for key, cluster in sorted(first.items()):
+            mine = [r for r in selection if lone_key(r["cluster"]) == key]
+            tried = {(r["batch"], r["lr"]) for r in mine}
+            new = {x for t in targets for x in beyond_edges(tried, pick(mine, t))}
+            jobs += [make_job(args, "lone", cluster, seed, b, lr, select=True)
+                     for b, lr in sorted(new) for seed in args.select_seeds]
+        if not jobs:
+            break
+        print(f"widening the lone grid: {len(jobs)} selection runs", flush=True)
+        selection += [selection_record(r) for r in pool.map(run_job, jobs)]
+    return selection
+
+
+def lone_settings(selection: list[dict[str, Any]], targets: tuple[float, ...],
+                  first: dict[str, str]) -> set[tuple[str, tuple[int, float]]]:
+    return {(key, pick([r for r in selection if lone_key(r["cluster"]) == key], t))
+            for key in first for t in targets}
+
+
+def check_reproduces(args: argparse.Namespace, pool: ProcessPoolExecutor,
+                     selection: list[dict[str, Any]], report: list[dict[str, Any]]) -> None:
+    """Saved runs stand for fresh ones only if today's code gives the same numbers: re-run one
+    selection run and one auto run of the file and compare."""
+    sel = selection[0]
+    auto = next(r for r in report if r["system"] == "auto")
+    jobs = [make_job(args, "lone", sel["cluster"], sel["seed"], sel["batch"], sel["lr"],
+                     select=True), make_job(args, "auto", auto["cluster"], auto["seed"])]
+    fresh_sel, fresh_auto = pool.map(run_job, jobs)
+    if selection_record(fresh_sel)["tta_s"] != {k: float(v) for k, v in sel["tta_s"].items()} \
+            or fresh_auto["rows"] != auto["rows"]:
+        sys.exit("goodput: the saved runs do not reproduce with this code; run afresh "
+                 "(without --widen-json)")
+    print("the saved runs reproduce (one selection run and one auto run re-run)", flush=True)
+
+
+def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Tune the lone device, then run every system on the held-out seeds; with `saved` (a
+    results file of the same settings) only what it lacks is run."""
+    spec = WORKLOADS[args.workload]
+    targets, base_lr = spec["targets"], spec["optimizer"]["lr"]
     pool = ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"))
     lone_of = {c: lone_key(c) for c in args.clusters}
     first = {k: next(c for c in args.clusters if lone_of[c] == k) for k in set(lone_of.values())}
-    lrs = [base_lr * f for f in LONE_LR_FACTORS]
-    select_jobs = [job("lone", first[k], s, b, lr, select=True) for k in sorted(first)
-                   for b in LONE_BATCHES for lr in lrs for s in args.select_seeds]
-    selection = [{k: r[k] for k in ("cluster", "seed", "batch", "lr")}
-                 | {"tta_s": {str(t): tta(r["rows"], t, metric) for t in targets}}
-                 for r in pool.map(run_job, select_jobs)]
-    picks = {k: {t: pick([r for r in selection if lone_of[r["cluster"]] == k], t)
-                 for t in targets} for k in first}
-    report_jobs = [job(s, c, seed) for c in args.clusters for s in ("auto", "ddp")
-                   for seed in args.report_seeds]
-    lone_settings = {(k, setting) for k in picks for setting in picks[k].values()}
-    report_jobs += [job("lone", first[k], seed, b, lr) for k, (b, lr) in sorted(lone_settings)
-                    for seed in args.report_seeds]
-    report = list(pool.map(run_job, report_jobs))
+    if saved is None:
+        lrs = [base_lr * f for f in LONE_LR_FACTORS]
+        select_jobs = [make_job(args, "lone", first[k], s, b, lr, select=True)
+                       for k in sorted(first) for b in LONE_BATCHES for lr in lrs
+                       for s in args.select_seeds]
+        selection = [selection_record(r) for r in pool.map(run_job, select_jobs)]
+        report_jobs = [make_job(args, s, c, seed) for c in args.clusters
+                       for s in ("auto", "ddp") for seed in args.report_seeds]
+        report = list(pool.map(run_job, report_jobs))
+    else:
+        selection, report = saved["selection"], saved["runs"]
+        check_reproduces(args, pool, selection, report)
+    selection = widen(args, pool, selection, first)
+    have = {(lone_key(r["cluster"]), (r["batch"], r["lr"]), r["seed"]) for r in report
+            if r["system"] == "lone"}
+    lone_jobs = [make_job(args, "lone", first[k], seed, b, lr)
+                 for k, (b, lr) in sorted(lone_settings(selection, targets, first))
+                 for seed in args.report_seeds if (k, (b, lr), seed) not in have]
+    report += list(pool.map(run_job, lone_jobs))
     pool.shutdown()
-    return {"command": "python benchmarks/goodput.py " + " ".join(sys.argv[1:]),
+    grid = {first[k]: sorted({(r["batch"], r["lr"]) for r in selection
+                              if lone_key(r["cluster"]) == k}) for k in sorted(first)}
+    command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+    return {"command": saved["command"] if saved else command,
+            **({"widened": command} if saved else {}),
             "workload": args.workload, "clusters": args.clusters,
             "select_seeds": args.select_seeds, "report_seeds": args.report_seeds,
-            "epochs": epochs, "eval_every_s": EVAL_EVERY_S,
-            "lone_grid": {"batch": LONE_BATCHES, "lr": lrs},
+            "epochs": args.epochs or spec["epochs"], "eval_every_s": EVAL_EVERY_S,
+            "lone_grid": {"batch": LONE_BATCHES,
+                          "lr": [base_lr * f for f in LONE_LR_FACTORS], "widened": grid},
             "selection": selection, "runs": report}
 
 
@@ -349,6 +443,7 @@ def markdown(data: dict[str, Any]) -> str:
     gap = "gap pts" if metric == "accuracy" else "gap (loss)"
     lines = [f"# auto vs the tuned fastest device alone and DDP (simulated, {data['workload']})\n",
              f"Command: `{data['command']}`"
+             + (f", lone grid widened by `{data['widened']}`" if "widened" in data else "")
              + (f" (re-summarised: `{data['resummarised']}`)" if "resummarised" in data else "")
              + "\n",
              f"Held-out seeds {data['report_seeds']} (the lone device tuned on "
@@ -368,6 +463,12 @@ def markdown(data: dict[str, Any]) -> str:
             f"{ls['lr']:g}) | {cell['auto_misses']}/{cell['lone_misses']} | "
             f"{fmt(cell['final_auto'], 3)} / {fmt(cell['final_lone'], 3)} | "
             f"{fmt(cell['final_gap'], 2)} |")
+    widened = data.get("lone_grid", {}).get("widened")
+    if widened:
+        lines.append("\nThe lone device's settings tried (batch, lr), the grid widened past "
+                     "every edge a pick sat on:\n")
+        lines += [f"- {c}'s fastest device: " + ", ".join(f"({b}, {lr:g})" for b, lr in grid)
+                  for c, grid in widened.items()]
     lines.append("\nauto's plans per held-out seed (epoch:G x H):\n")
     for cell in cells[::len(spec["targets"])]:
         lines.append(f"- {cell['cluster']}: PS in {cell['auto_ps_site'][0]}; "
