@@ -11,18 +11,20 @@ This one is post-local SGD (Lin et al., "Don't use large mini-batches, use local
 2020; torch.distributed.algorithms' PostLocalSGD): synchronous averaging every step for the
 first `warmup_rounds` rounds, while the loss falls fastest, then `local_steps` local steps per
 round to cut communication. Registered under a name, it is also usable from a TOML config
-(`[strategy] name = "post_local_sgd"`) once the module defining it is imported.
+(`[strategy] name = "post_local_sgd"`) once the module defining it is imported. Its options
+declare their ranges with the fields (hetrain.strategies.options), so a bad value in a config
+or a call is one error naming the option and the range, before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
 
 import hetrain
-from hetrain.errors import ConfigError
 from hetrain.strategies import (
     BarrierMixin,
     Decision,
@@ -32,6 +34,7 @@ from hetrain.strategies import (
     WorkTask,
     register,
 )
+from hetrain.strategies.options import MAX_STEPS, integer
 
 
 @register
@@ -43,14 +46,10 @@ class PostLocalSGD(BarrierMixin, Strategy):
     comm = "allreduce"          # a collective of all workers (not a parameter server)
     update = "delta"            # workers step their own replica and push start - end params
 
-    warmup_rounds: int = 20
+    warmup_rounds: Annotated[int, integer(0)] = 20
     """Rounds of one local step (synchronous SGD) before switching to local SGD."""
-    local_steps: int = 8
+    local_steps: Annotated[int, integer(1, MAX_STEPS)] = 8
     """Local steps per round after the warm-up."""
-
-    def __post_init__(self) -> None:
-        if self.warmup_rounds < 0 or self.local_steps < 1:
-            raise ConfigError("post_local_sgd: warmup_rounds must be >= 0, local_steps >= 1")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)

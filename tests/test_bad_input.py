@@ -231,7 +231,7 @@ RUN_CASES = [
     Case("strategy_option_float", {"strategy": {"local_steps": 2.5}}, says="must be an integer"),
     Case("strategy_option_huge", {"strategy": {"local_steps": 10**15}}, says="<= 10000"),
     Case("strategy_option_inf", {"strategy": {"outer_lr": INF}}, says="strategy.outer_lr"),
-    Case("strategy_option_range", {"strategy": {"outer_lr": 5.0}}, says="outer_lr must be in (0, 2]"),
+    Case("strategy_option_range", {"strategy": {"outer_lr": 5.0}}, says="strategy.outer_lr (strategy 'local_sgd') must be a positive number <= 2, got 5.0"),
     Case("strategy_unknown", {"strategy": {"name": "nosuch"}}, says="unknown strategy 'nosuch'"),
     Case("auto_hysteresis_inf", strategy("auto", hysteresis=INF), says="strategy.hysteresis"),
     Case("cadp_comm_fraction_nan", strategy("cadp", comm_fraction=NAN),

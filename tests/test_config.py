@@ -58,7 +58,7 @@ def test_strategy_options_are_checked() -> None:
         make_strategy("local_sgd", steps=3)
     with pytest.raises(ConfigError, match="unknown strategy 'fast'"):
         make_strategy("fast")
-    with pytest.raises(ConfigError, match="local_steps must be >= 1"):
+    with pytest.raises(ConfigError, match="strategy local_sgd: local_steps must be an integer >= 1 and <= 10000, got 0"):
         make_strategy("local_sgd", local_steps=0)
 
 

@@ -3,7 +3,8 @@
     python -m hetrain.docs_gen > docs/config.md
 
 The source of truth is the config dataclasses in hetrain.config (each field's default and the
-docstring under it), the strategies registry (each built-in strategy's dataclass fields), the
+docstring under it), the strategies registry (each built-in strategy's dataclass fields, with
+the ranges and choices their annotations declare), the
 compressor registry and the cluster file's dataclasses in hetrain.cluster. tests/test_docs.py
 fails when the committed file differs from what this prints.
 """
@@ -18,11 +19,17 @@ import sys
 import textwrap
 from collections.abc import Callable
 from functools import cache, partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from hetrain import cluster as cluster_mod
 from hetrain import config as config_mod
-from hetrain.validate import FIELD_LIMITS, OPTION_LIMITS, Limit
+from hetrain.validate import (
+    FIELD_LIMITS,
+    Limit,
+    declared_choices,
+    declared_limit,
+    type_hints,
+)
 
 if TYPE_CHECKING:
     from hetrain.strategies.base import Strategy
@@ -99,8 +106,15 @@ def _default(f: dataclasses.Field) -> Any:
     return REQUIRED
 
 
-def _type_name(f: dataclasses.Field) -> str:
-    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def _type_name(f: dataclasses.Field, hint: Any = None) -> str:
+    """The field's annotation as written; for `Annotated[T, range]` (`hint`, resolved) the T,
+    for `Literal[...]` the type of its choices (the choices go with the meaning)."""
+    t: Any = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    base = get_args(hint)[0] if get_origin(hint) is Annotated else hint
+    if get_origin(base) is Literal:
+        t = " | ".join(dict.fromkeys(type(a).__name__ for a in get_args(base)))
+    elif base is not hint:
+        t = getattr(base, "__name__", None) or str(base)
     return str(t).replace("|", "\\|")
 
 
@@ -111,8 +125,10 @@ def _cell(text: str) -> str:
 def field_table(cls: type, skip: tuple[str, ...] = (),
                 limits: Callable[[str], Limit | None] = lambda key: None) -> list[str]:
     """A markdown table: key | type | default | meaning, one row per init field; a field
-    with a range (hetrain.validate) says so at the end of its meaning."""
+    with a range (`limits`, or declared with its annotation: hetrain.validate.declared_limit)
+    or choices (a Literal) says so at the end of its meaning."""
     docs = _field_docs(cls)
+    hints = type_hints(cls)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if not f.init or f.name in skip:
@@ -120,9 +136,13 @@ def field_table(cls: type, skip: tuple[str, ...] = (),
         default = _default(f)
         shown = "(required)" if default is REQUIRED else toml_value(default)
         meaning = docs.get(f.name, "")
-        if (limit := limits(f.name)) is not None:
+        hint = hints.get(f.name)
+        if (limit := limits(f.name) or declared_limit(hint)) is not None:
             meaning = f"{meaning} Must be {limit.describe()}.".strip()
-        rows.append(f"| `{f.name}` | {_type_name(f)} | `{_cell(shown)}` | {_cell(meaning)} |")
+        if (choices := declared_choices(hint)) is not None:
+            meaning = f"{meaning} One of: {', '.join(f'`{toml_value(c)}`' for c in choices)}."
+        rows.append(f"| `{f.name}` | {_type_name(f, hint)} | `{_cell(shown)}` | "
+                    f"{_cell(meaning.strip())} |")
     return rows
 
 
@@ -153,10 +173,6 @@ def _field_limit(section: str, key: str) -> Limit | None:
     return FIELD_LIMITS.get(f"{section}.{key}")
 
 
-def _option_limit(strategy: str, key: str) -> Limit | None:
-    return OPTION_LIMITS.get(("strategy", strategy, key))
-
-
 def builtin_strategies() -> dict[str, type[Strategy]]:
     """Registered strategies that ship with hetrain (user-registered ones are left out)."""
     from hetrain.strategies import REGISTRY
@@ -174,7 +190,7 @@ def _strategy_section() -> list[str]:
         out += [f"### name = \"{name}\"", "",
                 f"{_first_line(cls)} (comm `{cls.comm}`, update `{cls.update}`)", ""]
         if any(f.init for f in dataclasses.fields(cls)):
-            out += [*field_table(cls, limits=partial(_option_limit, name)), ""]
+            out += [*field_table(cls), ""]
         else:
             out += ["No options.", ""]
     return out

@@ -9,8 +9,10 @@ any file written:
   run config's numeric fields are `FIELD_LIMITS`, documented in docs/config.md;
 - option tables (`workload.model_options`, `workload.dataset_options`, strategy options,
   `train.compression_options`): `check_options` checks the keys against the signature or the
-  dataclass that consumes them, the values against its annotations, and the ranges in
-  `OPTION_LIMITS`;
+  dataclass that consumes them, the values against its annotations (a `Literal[...]` names
+  the choices), and the ranges in `OPTION_LIMITS` or declared with the annotation itself,
+  `Annotated[int, integer(1, MAX_STEPS)]` (`declared_limit`; the strategies declare theirs so,
+  hetrain.strategies.options);
 - files and names: `read_text_file` (missing, a directory, binary, not UTF-8), `check_run_name`
   (a run directory under the runs dir, never outside it), `check_runs_dir`;
 - `preflight`: what needs more than the config itself (the cluster file, the number of PS
@@ -67,6 +69,13 @@ class Limit:
     hi_open: bool = False
     integer: bool = False
     length: tuple[int, int] | None = None
+    note: str = ""
+    """What a special value inside the range means ("0: auto"): error messages add it, so a
+    user who tried a negative number learns that 0 is the way to ask for the default."""
+
+    def with_note(self, note: str) -> Limit:
+        """This range, with `note` in its error messages."""
+        return dataclasses.replace(self, note=note)
 
     def contains(self, v: float) -> bool:
         above = v > self.lo if self.lo_open else v >= self.lo
@@ -101,7 +110,7 @@ def non_negative(hi: float = math.inf) -> Limit:
     return Limit(0, hi)
 
 
-def integer(lo: int, hi: int, length: tuple[int, int] | None = None) -> Limit:
+def integer(lo: int, hi: float = math.inf, length: tuple[int, int] | None = None) -> Limit:
     return Limit(lo, hi, integer=True, length=length)
 
 
@@ -140,7 +149,6 @@ shows them). Every value must also be finite; integers must be TOML integers (2.
 MAX_STEPS = 10_000
 """Largest step count (local steps, gaps, staleness): a round of more steps than this would
 run for hours on one task before the run could stop."""
-_STEPS, _STEPS1 = integer(0, MAX_STEPS), integer(1, MAX_STEPS)
 _SEED = integer(0, SEED_MAX)
 _SIZE = integer(1, 65536)
 
@@ -177,24 +185,7 @@ OPTION_LIMITS: dict[tuple[str, str, str], Limit] = {
     ("dataset", "cifar10", "max_train"): integer(1, 10**9),
     ("dataset", "cifar10", "mean"): Limit(-1e3, 1e3, length=(3, 3)),
     ("dataset", "cifar10", "std"): Limit(0, 1e3, lo_open=True, length=(3, 3)),
-    # strategies (their own __post_init__ checks the rest of each range)
-    ("strategy", "asp", "local_steps"): _STEPS1,
-    ("strategy", "ssp", "local_steps"): _STEPS1,
-    ("strategy", "ssp", "staleness"): _STEPS,
-    ("strategy", "local_sgd", "local_steps"): _STEPS1,
-    ("strategy", "cadp", "local_steps"): _STEPS,
-    ("strategy", "cadp", "min_local_steps"): _STEPS1,
-    ("strategy", "cadp", "max_local_steps"): _STEPS1,
-    ("strategy", "cadp", "batch_size"): integer(0, 10**9),
-    ("strategy", "cadp", "activation_bytes_per_sample"): integer(0, 10**12),
-    ("strategy", "ashl", "ahl_fastest_steps"): _STEPS,
-    ("strategy", "ashl", "shl_fastest_steps"): _STEPS,
-    ("strategy", "ashl", "ahl_gap"): _STEPS,
-    ("strategy", "ashl", "shl_gap"): _STEPS,
-    ("strategy", "adsp", "commits_init"): _STEPS,
-    ("strategy", "auto", "min_batch"): integer(1, 10**9),
-    ("strategy", "auto", "max_batch"): integer(0, 10**9),
-    ("strategy", "auto", "min_device_batch"): integer(1, 10**9),
+    # strategies: none here, each declares its ranges with its fields (strategies/options.py)
     # compressors
     ("compression", "qsgd", "seed"): _SEED,
     # `hetrain plan --model M --model-option KEY=VALUE` (layer graphs for the cost model)
@@ -213,11 +204,13 @@ OPTION_LIMITS: dict[tuple[str, str, str], Limit] = {
     ("plan", "cnn", "input_shape"): integer(1, 10**6, length=(1, 3)),
     ("plan", "cnn", "num_classes"): integer(1, 10**5),
 }
-"""Ranges of the built-in option tables' values, by (kind, name, option). Options not listed
-need only be finite and of their annotated type (the consumer checks the rest)."""
+"""Ranges of the built-in option tables' values, by (kind, name, option), for consumers that do
+not declare them in their annotations (the model, data set and compressor builders). Options
+with neither an entry here nor a declared range (`declared_limit`) need only be finite and of
+their annotated type."""
 
 INT_OPTION_MAX = 2**31 - 1
-"""Bound on the magnitude of any integer option not in OPTION_LIMITS."""
+"""Bound on the magnitude of any integer option without a range bounded on both sides."""
 
 
 # ---- numbers --------------------------------------------------------------------------------
@@ -240,7 +233,7 @@ def _kind(value: Any) -> str:
 def check_number(where: str, value: Any, limit: Limit, hint: str = "") -> int | float:
     """`value` as a number inside `limit`, or a ConfigError naming `where` and the range."""
     hint = f"; {hint}" if hint else ""
-    want = limit.describe()
+    want = limit.describe() + (f" ({limit.note})" if limit.note else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{where} must be {want}, got {value!r} ({_kind(value)}){hint}")
     if limit.integer and not isinstance(value, numbers.Integral):
@@ -256,6 +249,25 @@ def check_number(where: str, value: Any, limit: Limit, hint: str = "") -> int | 
     return number
 
 
+def _check_length(where: str, value: list[Any] | tuple[Any, ...], limit: Limit) -> None:
+    if limit.length is not None:
+        lo, hi = limit.length
+        if not lo <= len(value) <= hi:
+            n = f"{lo}" if lo == hi else f"{lo} to {hi}"
+            raise ConfigError(f"{where} must have {n} entries, got {len(value)}")
+
+
+def check_limit(key: str, value: Any, limit: Limit, label: str = "") -> None:
+    """`value` inside `limit`: a number, or where the limit has a `length`, a list of numbers
+    (each entry named key[i]); `label` follows the key in messages."""
+    if limit.length is not None and isinstance(value, list | tuple):
+        _check_length(f"{key}{label}", value, limit)
+        for i, v in enumerate(value):
+            check_number(f"{key}[{i}]{label}", v, limit)
+    else:
+        check_number(f"{key}{label}", value, limit)
+
+
 def check_fields(section: str, obj: Any) -> None:
     """Check every field of a config dataclass that has a range in FIELD_LIMITS."""
     for f in dataclasses.fields(obj):
@@ -265,11 +277,30 @@ def check_fields(section: str, obj: Any) -> None:
 
 
 # ---- values against annotations ------------------------------------------------------------
+def _unannotated(tp: Any) -> Any:
+    """`int` for `Annotated[int, ...]`; anything else as it is."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
+
+
+def declared_limit(tp: Any) -> Limit | None:
+    """The range an annotation declares, `Annotated[int, integer(1, 100)]`; None if none."""
+    if typing.get_origin(tp) is not typing.Annotated:
+        return None
+    return next((m for m in tp.__metadata__ if isinstance(m, Limit)), None)
+
+
+def declared_choices(tp: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal[...]` annotation (optionally inside Annotated) allows; else None."""
+    tp = _unannotated(tp)
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+
+
 _SEQUENCES = (collections.abc.Sequence, collections.abc.Iterable, list, tuple)
 
 
 def _matches(value: Any, tp: Any) -> bool:
     """Does a TOML value fit the annotation `tp`? Unknown annotations accept anything."""
+    tp = _unannotated(tp)
     if tp is Any or tp is inspect.Parameter.empty:
         return True
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -306,6 +337,7 @@ _PLURAL = {"an integer": "integers", "a number": "numbers", "a string": "strings
 
 def _describe_type(tp: Any) -> str:
     """'an integer', 'a list of integers', 'a string or a list of strings or paths' ..."""
+    tp = _unannotated(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or isinstance(tp, types.UnionType):
         arms = [_describe_type(a) for a in args if a is not type(None)]
@@ -332,10 +364,11 @@ def _describe_type(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _hints(obj: Any) -> dict[str, Any]:
-    """Resolved annotations of a function or class; {} where they cannot be resolved."""
+def type_hints(obj: Any) -> dict[str, Any]:
+    """Resolved annotations of a function or class, Annotated kept (its metadata may declare
+    a range); {} where they cannot be resolved."""
     try:
-        return typing.get_type_hints(obj)
+        return typing.get_type_hints(obj, include_extras=True)
     except Exception:  # a user's builder with annotations we cannot evaluate: no type checks
         return {}
 
@@ -347,11 +380,8 @@ def _check_value(key: str, label: str, value: Any, tp: Any, limit: Limit | None)
         raise ConfigError(f"{where} must be {_describe_type(tp)}, got {value!r} "
                           f"({_kind(value)})")
     items = list(value) if isinstance(value, list | tuple) else [value]
-    if isinstance(value, list | tuple) and limit is not None and limit.length is not None:
-        lo, hi = limit.length
-        if not lo <= len(value) <= hi:
-            n = f"{lo}" if lo == hi else f"{lo} to {hi}"
-            raise ConfigError(f"{where} must have {n} entries, got {len(value)}")
+    if isinstance(value, list | tuple) and limit is not None:
+        _check_length(where, value, limit)
     for i, v in enumerate(items):
         at = f"{key}[{i}]{label}" if isinstance(value, list | tuple) else where
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -360,7 +390,8 @@ def _check_value(key: str, label: str, value: Any, tp: Any, limit: Limit | None)
             check_number(at, v, limit)
         elif not isinstance(v, numbers.Integral) and not math.isfinite(float(v)):
             raise ConfigError(f"{at} must be a finite number, got {v!r}")
-        elif isinstance(v, numbers.Integral) and abs(int(v)) > INT_OPTION_MAX:
+        bounded = limit is not None and math.isfinite(limit.lo) and math.isfinite(limit.hi)
+        if not bounded and isinstance(v, numbers.Integral) and abs(int(v)) > INT_OPTION_MAX:
             raise ConfigError(f"{at} must be an integer of magnitude <= {INT_OPTION_MAX}, "
                               f"got {v}")
 
@@ -374,9 +405,10 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
                   options: Any, skip: int = 0, table: str = "") -> None:
     """Check an option table against what consumes it: a builder's keyword parameters
     (after the first `skip`), a constructor's, or a dataclass's init fields. Unknown keys,
-    missing required ones, values of the wrong type and values out of OPTION_LIMITS are
-    ConfigErrors naming the table (`table`, e.g. "workload.model_options"), the key and the
-    accepted keys."""
+    missing required ones, values of the wrong type and values out of their range
+    (OPTION_LIMITS, else the one the annotation declares, `declared_limit`) are ConfigErrors
+    naming the table (`table`, e.g. "workload.model_options"), the key and the accepted
+    keys."""
     what = f"{kind} '{name}'"
     if not isinstance(options, Mapping):
         raise ConfigError(f"{table or 'the options'} must be a table of options for {what}, "
@@ -386,7 +418,7 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
         required = [f.name for f in fields if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING]
         allowed = [f.name for f in fields]
-        hints = _hints(consumer)
+        hints = type_hints(consumer)
     else:
         fn = _constructor(consumer) if isinstance(consumer, type) else consumer
         params = list(inspect.signature(fn).parameters.values())[skip:]
@@ -395,7 +427,7 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
         params = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         allowed = [p.name for p in params]
         required = [p.name for p in params if p.default is p.empty]
-        hints = _hints(fn)
+        hints = type_hints(fn)
     at = f"{table}: " if table else ""
     if unknown := sorted(set(options) - set(allowed)):
         raise ConfigError(f"{at}unknown option(s) {unknown} for {what}; choose from: "
@@ -403,9 +435,10 @@ def check_options(kind: str, name: str, consumer: Callable[..., Any] | type,
     if missing := [k for k in required if k not in options]:
         raise ConfigError(f"{at}{what} needs option(s) {missing}")
     for key, value in options.items():
+        tp = hints.get(key, Any)
+        limit = OPTION_LIMITS.get((kind, name, key)) or declared_limit(tp)
         _check_value(f"{table}.{key}" if table else f"{what}: option {key}",
-                     f" ({what})" if table else "", value, hints.get(key, Any),
-                     OPTION_LIMITS.get((kind, name, key)))
+                     f" ({what})" if table else "", value, tp, limit)
 
 
 BUILTIN_OPTIMIZERS = ("sgd", "adam", "adamw")

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from hetrain.errors import ConfigError
 from hetrain.plan.local_steps import FractionalSteps, OnlineCosts, commit_round_cap_s
 from hetrain.profile import Profile
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
-from hetrain.strategies.options import is_int_at_least, is_number_at_least
+from hetrain.strategies.options import MAX_STEPS, fraction, integer, non_negative, positive
 from hetrain.strategies.registry import register
 
 
@@ -57,38 +57,22 @@ class ADSP(Strategy):
     comm = "ps"
     update = "delta"
 
-    check_period_s: float = 0.0
+    check_period_s: Annotated[float, non_negative().with_note("0: automatic")] = 0.0
     """G, the search period; 0: 16 x (slowest worker's step + commit time)."""
-    commits_init: int = 0
+    commits_init: Annotated[int, integer(0, MAX_STEPS).with_note("0: auto")] = 0
     """C at the start (commits per worker per period); 0: C_max / 2, at least 1."""
-    momentum: float = 0.5
+    momentum: Annotated[float, fraction(lo_open=False)] = 0.5
     """Momentum of the commit-rate search."""
-    weighting: str = "samples"
+    weighting: Literal["samples", "uniform"] = "samples"
     """samples (a round of commits = the sample-weighted average) | uniform (1 / n each)."""
-    commit_weight: float = 1.0
+    commit_weight: Annotated[float, positive()] = 1.0
     """Scales every commit's weight."""
     comm_aware: bool = False
     """Subtract each worker's pull + push time from its commit interval (False: the paper's
     speed-proportional plan)."""
-    min_commits_per_epoch: float = 4.0
+    min_commits_per_epoch: Annotated[float, non_negative().with_note("0: no cap")] = 4.0
     """Every worker commits at least this many times per (estimated) epoch: bounds C from
     below and caps each worker's local steps (0: no cap)."""
-
-    def __post_init__(self) -> None:
-        if self.check_period_s < 0:
-            raise ConfigError("strategy adsp: check_period_s must be >= 0 (0: automatic)")
-        if not is_int_at_least(self.commits_init, 0):
-            raise ConfigError("strategy adsp: commits_init must be an integer >= 0 (0: auto)")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError("strategy adsp: momentum must be in [0, 1)")
-        if self.commit_weight <= 0:
-            raise ConfigError("strategy adsp: commit_weight must be > 0")
-        if self.weighting not in ("uniform", "samples"):
-            raise ConfigError(f"strategy adsp: weighting = {self.weighting!r}; choose one of: "
-                              "uniform, samples")
-        if not is_number_at_least(self.min_commits_per_epoch, 0):
-            raise ConfigError(f"strategy adsp: min_commits_per_epoch must be a number >= 0 "
-                              f"(0: no cap), got {self.min_commits_per_epoch!r}")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)

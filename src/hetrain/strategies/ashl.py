@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from hetrain.errors import ConfigError
 from hetrain.plan.local_steps import (
@@ -50,7 +51,7 @@ from hetrain.plan.local_steps import (
 from hetrain.profile import Profile
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
 from hetrain.strategies.clock_gate import ClockGate
-from hetrain.strategies.options import is_int_at_least, is_number_at_least
+from hetrain.strategies.options import MAX_STEPS, fraction, integer, non_negative, positive
 from hetrain.strategies.registry import register
 
 
@@ -98,56 +99,35 @@ class ASHL(Strategy):
     comm = "ps"
     update = "delta"
 
-    ahl_comm_fraction: float = 0.1
+    ahl_comm_fraction: Annotated[float, fraction(hi_open=False)] = 0.1
     """AHL: the most of a round any worker may spend on the wire (sets the round time)."""
-    ahl_fastest_steps: int = 0
+    ahl_fastest_steps: Annotated[
+        int, integer(0, MAX_STEPS).with_note("0: by ahl_comm_fraction")] = 0
     """AHL: if > 0, the fastest worker's local iterations per commit instead."""
-    ahl_gap: int = 8
+    ahl_gap: Annotated[int, integer(0, MAX_STEPS)] = 8
     """AHL: how many commits a worker may be ahead of the slowest before it is held."""
-    shl_comm_fraction: float = 0.3
+    shl_comm_fraction: Annotated[float, fraction(hi_open=False)] = 0.3
     """SHL: the most of a round any worker may spend on the wire."""
-    shl_fastest_steps: int = 0
+    shl_fastest_steps: Annotated[
+        int, integer(0, MAX_STEPS).with_note("0: by shl_comm_fraction")] = 0
     """SHL: if > 0, the fastest worker's local iterations per commit instead."""
-    shl_gap: int = 1
+    shl_gap: Annotated[int, integer(0, MAX_STEPS)] = 1
     """SHL: tolerated commit gap (0: lock-step rounds)."""
-    switch_window: int = 0
+    switch_window: Annotated[int, integer(0).with_note("0: 2 x n_workers")] = 0
     """Pushes per loss window of the switch rule (0: 2 x n_workers)."""
-    switch_threshold: float = 0.05
+    switch_threshold: Annotated[float, fraction(lo_open=False)] = 0.05
     """A window improving the mean loss by less than this fraction is a plateau."""
-    switch_patience: int = 1
+    switch_patience: Annotated[int, integer(1)] = 1
     """Consecutive plateau windows that trigger the switch."""
-    weighting: str = "samples"
+    weighting: Literal["samples", "uniform"] = "samples"
     """samples (a round of commits = the sample-weighted average) | uniform (1 / n each)."""
-    commit_weight: float = 1.0
+    commit_weight: Annotated[float, positive()] = 1.0
     """Scales every commit's weight."""
     profile_path: str = ""
     """A measured profile (JSON/TOML from `hetrain profile`); empty: price the Cluster."""
-    min_commits_per_epoch: float = 4.0
+    min_commits_per_epoch: Annotated[float, non_negative().with_note("0: no cap")] = 4.0
     """Cap the round time at (estimated epoch time) / this, so every worker commits at least
     this many times per epoch (0: no cap)."""
-
-    def __post_init__(self) -> None:
-        if not is_int_at_least(self.switch_patience, 1):
-            raise ConfigError(f"strategy ashl: switch_patience must be an integer >= 1, "
-                              f"got {self.switch_patience!r}")
-        for key in ("ahl_comm_fraction", "shl_comm_fraction"):
-            if not 0 < getattr(self, key) <= 1:
-                raise ConfigError(f"strategy ashl: {key} must be in (0, 1]")
-        for key in ("ahl_fastest_steps", "shl_fastest_steps", "ahl_gap", "shl_gap",
-                    "switch_window"):
-            v = getattr(self, key)
-            if not is_int_at_least(v, 0):
-                raise ConfigError(f"strategy ashl: {key} must be an integer >= 0, got {v!r}")
-        if not 0 <= self.switch_threshold < 1:
-            raise ConfigError("strategy ashl: switch_threshold must be in [0, 1)")
-        if self.weighting not in ("uniform", "samples"):
-            raise ConfigError(f"strategy ashl: weighting = {self.weighting!r}; choose one of: "
-                              "uniform, samples")
-        if self.commit_weight <= 0:
-            raise ConfigError("strategy ashl: commit_weight must be > 0")
-        if not is_number_at_least(self.min_commits_per_epoch, 0):
-            raise ConfigError(f"strategy ashl: min_commits_per_epoch must be a number >= 0 "
-                              f"(0: no cap), got {self.min_commits_per_epoch!r}")
 
     # ---- stage 0 ----------------------------------------------------------------------------
     def setup(self, ctx: RunContext) -> None:

@@ -13,10 +13,10 @@ n - 1 on average for n workers of equal speed; fast workers' gradients are fresh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from hetrain.errors import ConfigError
 from hetrain.strategies.base import Decision, Push, RunContext, Strategy, WorkTask
-from hetrain.strategies.options import is_int_at_least
+from hetrain.strategies.options import MAX_STEPS, integer, non_negative
 from hetrain.strategies.registry import register
 
 
@@ -29,21 +29,14 @@ class ASP(Strategy):
     comm = "ps"
     update = "gradient"
 
-    local_steps: int = 1
+    local_steps: Annotated[int, integer(1, MAX_STEPS)] = 1
     """Mini-batches whose mean gradient makes one push (1: classic asynchronous SGD)."""
     staleness_weighting: bool = False
     """Scale each gradient by 1 / (1 + staleness), staleness in server updates."""
-    push_weight: float = 0.0
+    push_weight: Annotated[float, non_negative().with_note("0: 1 / n_workers")] = 0.0
     """Weight of one gradient in the server step, i.e. a learning-rate multiplier
     (0: 1 / n_workers, so n asynchronous pushes move the model about as far as one
     synchronous step at the configured learning rate)."""
-
-    def __post_init__(self) -> None:
-        if not is_int_at_least(self.local_steps, 1):
-            raise ConfigError(f"strategy {self.name}: local_steps must be an integer >= 1, "
-                              f"got {self.local_steps!r}")
-        if self.push_weight < 0:
-            raise ConfigError(f"strategy {self.name}: push_weight must be >= 0 (0: 1/n)")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)

@@ -32,12 +32,13 @@ How it runs:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from typing import Annotated, Literal
 
 import numpy as np
 
 from hetrain.cluster import Cluster
-from hetrain.errors import ConfigError
 from hetrain.plan.allocate import Allocation
 from hetrain.plan.goodput import (
     LOCAL_STEPS,
@@ -54,6 +55,7 @@ from hetrain.plan.goodput import (
 from hetrain.plan.noise import GradientNoiseScale
 from hetrain.strategies.base import Decision, Push, RunContext, WorkTask
 from hetrain.strategies.cadp import CADP
+from hetrain.strategies.options import Limit, fraction, integer, non_negative, positive
 from hetrain.strategies.registry import register
 
 
@@ -64,35 +66,35 @@ class Auto(CADP):
 
     name = "auto"
 
-    noise_scale: float = 0.0
+    noise_scale: Annotated[float, non_negative().with_note("0: train.batch_size")] = 0.0
     """Prior gradient noise scale (samples) for the first plan; 0: train.batch_size."""
-    min_batch: int = 8
+    min_batch: Annotated[int, integer(1, 10**9)] = 8
     """Smallest global batch the planner considers."""
-    max_batch: int = 0
+    max_batch: Annotated[int, integer(0, 10**9).with_note("0: auto")] = 0
     """Largest global batch the planner considers; 0: an epoch / 16 (at least 16 steps)."""
-    local_step_penalty: float = 1.0
+    local_step_penalty: Annotated[float, Limit(0, 1)] = 1.0
     """p: H local steps on several devices are worth E(G)^(1-p) E(G H)^p per sample; 1 (as
     bad as one step at batch G H) is the safe default: at 0.5 the planner chose H = 32 on
     hetero-8 once and the run ended 12.9 points below the lone device."""
-    min_device_batch: int = 8
+    min_device_batch: Annotated[int, integer(1, 10**9)] = 8
     """With H > 1 on several devices, no device runs a step on fewer samples."""
-    replan_every_epochs: float = 0.1
+    replan_every_epochs: Annotated[float, positive()] = 0.1
     """Search G and H again at the measured noise scale this often (epochs of samples)."""
-    hysteresis: float = 0.1
+    hysteresis: Annotated[float, Limit(0, 10, hi_open=True)] = 0.1
     """Switch plans only when the new one's predicted goodput is this much higher, at two
     checks in a row (the noise estimate is noisy: one check could be a fluke)."""
-    noise_ema_weight: float = 0.002
+    noise_ema_weight: Annotated[float, fraction(hi_open=False)] = 0.002
     """Weight of the newest probe in the noise scale's moving averages."""
-    min_probes: int = 20
+    min_probes: Annotated[int, integer(0)] = 20
     """Plan with the prior until this many probes have been averaged."""
-    max_batch_growth: float = 2.0
+    max_batch_growth: Annotated[float, Limit(1, math.inf)] = 2.0
     """A re-plan changes G by at most this factor either way (Pollux/AdaScale ramp the batch;
     a sudden jump meets replicas whose momentum was built at the old batch)."""
-    max_lr_scale: float = 2.0
+    max_lr_scale: Annotated[float, Limit(1, math.inf)] = 2.0
     """Cap of the AdaScale lr gain: the base lr is taken as tuned close to its stable maximum
     at train.batch_size (lone-device sweeps diverge at 2-4x of it), and the planner prices
     the cap, so it does not pick batches whose gain would exceed it."""
-    lr_rule: str = "auto"
+    lr_rule: Literal["auto", "adascale", "sqrt"] = "auto"
     """adascale | sqrt | auto: the lr scale is AdaScale's gain r (SGD) or sqrt(r) (the
     square-root rule, for Adam-type optimizers); auto picks by the configured optimizer."""
     move_ps: bool = True
@@ -109,31 +111,6 @@ class Auto(CADP):
     goodput_plan: GoodputPlan | None = field(default=None, init=False, repr=False)
     switches: list[tuple[float, int, int]] = field(default_factory=list, init=False, repr=False)
     """(epoch, G, H) of every plan, the first included."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
-        def bad(msg: str) -> ConfigError:
-            return ConfigError(f"strategy auto: {msg}")
-
-        if not self.noise_scale >= 0:
-            raise bad(f"noise_scale must be >= 0 (0: train.batch_size), got {self.noise_scale}")
-        if self.min_batch < 1 or self.max_batch < 0:
-            raise bad("need min_batch >= 1 and max_batch >= 0 (0: auto)")
-        if not 0 <= self.local_step_penalty <= 1:
-            raise bad(f"local_step_penalty must be in [0, 1], got {self.local_step_penalty}")
-        if self.min_device_batch < 1:
-            raise bad(f"min_device_batch must be >= 1, got {self.min_device_batch}")
-        if not self.replan_every_epochs > 0:
-            raise bad(f"replan_every_epochs must be > 0, got {self.replan_every_epochs}")
-        if not 0 <= self.hysteresis < 10:
-            raise bad(f"hysteresis must be in [0, 10), got {self.hysteresis}")
-        if not 0 < self.noise_ema_weight <= 1:
-            raise bad(f"noise_ema_weight must be in (0, 1], got {self.noise_ema_weight}")
-        if self.lr_rule not in ("auto", "adascale", "sqrt"):
-            raise bad(f"lr_rule = {self.lr_rule!r}; choose one of: auto, adascale, sqrt")
-        if self.min_probes < 0 or not self.max_batch_growth >= 1:
-            raise bad("need min_probes >= 0 and max_batch_growth >= 1")
 
     # ---- planning -------------------------------------------------------------------------
     def setup(self, ctx: RunContext) -> None:

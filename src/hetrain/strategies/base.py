@@ -45,7 +45,8 @@ means an empty one) keep these rules:
    bounded number of pushes, except the ones the strategy plans no work for (cadp and auto park
    zero-share devices).
 6. A strategy is a dataclass whose init fields are its options (the config's [strategy] table,
-   `make_strategy`); it pickles, with its defaults and between any two calls after setup (the
+   `make_strategy`), each declaring its range or choices in its annotation
+   (hetrain.strategies.options); it pickles, with its defaults and between any two calls after setup (the
    dist server snapshots it after every update; checkpoints hold it through
    `hetrain.engine.codec`); it is deterministic, with no clocks, I/O or unseeded randomness
    (times reach it as data, in `Push`), so a restored copy answers exactly as the original.
@@ -64,6 +65,7 @@ from typing import ClassVar, Literal
 
 from hetrain.context import RunContext
 from hetrain.plan.noise import GradProbe
+from hetrain.strategies.options import check_declared
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,12 @@ class Strategy(ABC):
     "scaled", nothing fixed (each weight is the strategy's own step size for one push)."""
 
     ctx: RunContext | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Check every option against the range or choices its field declares
+        (hetrain.strategies.options); a subclass with checks across fields runs them after
+        `super().__post_init__()`."""
+        check_declared(self, f"strategy {self.name}")
 
     def setup(self, ctx: RunContext) -> None:
         """Called once before training; planners run here."""

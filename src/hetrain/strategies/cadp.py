@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import numpy as np
 
@@ -52,6 +53,7 @@ from hetrain.plan.allocate import (
     speed_weighted_local_steps,
 )
 from hetrain.strategies.base import Decision, OuterOptimizer, Push, RunContext, Strategy, WorkTask
+from hetrain.strategies.options import MAX_STEPS, Limit, fraction, integer
 from hetrain.strategies.registry import register
 
 LR_SCALING = {"linear": 1.0, "sqrt": 0.5, "none": 0.0}
@@ -67,23 +69,23 @@ class CADP(Strategy):
     update = "delta"
     weights = "average"
 
-    local_steps: int = 0
+    local_steps: Annotated[int, integer(0, MAX_STEPS).with_note("0: auto")] = 0
     """H, local steps between two synchronisations; 0: auto from the comm/compute ratio."""
-    min_local_steps: int = 1
+    min_local_steps: Annotated[int, integer(1, MAX_STEPS)] = 1
     """Lower bound of the auto H."""
-    max_local_steps: int = 32
+    max_local_steps: Annotated[int, integer(1, MAX_STEPS)] = 32
     """Upper bound of the auto H (replicas drift apart when H grows)."""
-    comm_fraction: float = 0.02
+    comm_fraction: Annotated[float, fraction()] = 0.02
     """Auto H: speed-weighted pull + push time at most this fraction of a round."""
-    batch_size: int = 0
+    batch_size: Annotated[int, integer(0, 10**9).with_note("0: auto")] = 0
     """Mean per-worker batch B per step; 0: auto (>= train.batch_size, overhead bound)."""
-    overhead_fraction: float = 0.02
+    overhead_fraction: Annotated[float, fraction()] = 0.02
     """Auto B: per-step fixed overhead at most this fraction of a step."""
-    min_steps_per_epoch: int = 16
+    min_steps_per_epoch: Annotated[int, integer(1)] = 16
     """Auto B: at most train_samples / (this * n) per worker (small data sets, tiny models)."""
-    lr_scaling: str = "linear"
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     """linear | sqrt | none: lr_scale = (global batch / DDP's global batch)^p, capped."""
-    max_lr_scale: float = 4.0
+    max_lr_scale: Annotated[float, Limit(1, math.inf)] = 4.0
     """Cap of lr_scale (linear scaling breaks down for very large batches)."""
     ship_data: bool = True
     """The data owner ships the shares with the pulls (charged on the worker's link)."""
@@ -92,15 +94,16 @@ class CADP(Strategy):
     set (share / S of it), only growth of its share is shipped; False: ship every round. (The
     engine still draws every batch from the owner's shuffled stream; with i.i.d. data that is
     statistically the same as re-reading a random partition.)"""
-    replan_every: int = 1
+    replan_every: Annotated[int, integer(0).with_note("0: never re-plan")] = 1
     """Re-plan the shares from measured times every K rounds; 0: never."""
-    ema_weight: float = 0.5
+    ema_weight: Annotated[float, fraction(hi_open=False)] = 0.5
     """Weight of the newest measurement in the moving averages of compute and comm times."""
-    activation_bytes_per_sample: int = 0
+    activation_bytes_per_sample: Annotated[
+        int, integer(0, 10**12).with_note("0: not modelled")] = 0
     """Activation memory per sample of a batch, for the memory cap; 0: not modelled."""
-    outer_lr: float = 1.0
+    outer_lr: Annotated[float, Limit(0, 2, lo_open=True)] = 1.0
     """Outer SGD learning rate on the share-weighted delta (1: plain weighted averaging)."""
-    outer_momentum: float = 0.0
+    outer_momentum: Annotated[float, fraction(lo_open=False)] = 0.0
     """Outer Nesterov momentum (DiLoCo-style; helps when rounds are few, see the benchmark)."""
 
     plan: Allocation | None = field(default=None, init=False, repr=False)
@@ -110,31 +113,11 @@ class CADP(Strategy):
     update) does not grow with its rounds."""
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> ConfigError:
-            return ConfigError(f"strategy cadp: {msg}")
-
-        if self.local_steps < 0:
-            raise bad(f"local_steps must be >= 0 (0: auto), got {self.local_steps}")
-        if not 1 <= self.min_local_steps <= self.max_local_steps:
-            raise bad("need 1 <= min_local_steps <= max_local_steps")
-        if not 0 < self.comm_fraction < 1 or not 0 < self.overhead_fraction < 1:
-            raise bad("comm_fraction and overhead_fraction must be in (0, 1)")
-        if self.min_steps_per_epoch < 1:
-            raise bad("min_steps_per_epoch must be >= 1")
-        if self.batch_size < 0:
-            raise bad(f"batch_size must be >= 0 (0: auto), got {self.batch_size}")
-        if self.lr_scaling not in LR_SCALING:
-            raise bad(f"lr_scaling = {self.lr_scaling!r}; choose one of {', '.join(LR_SCALING)}")
-        if self.max_lr_scale < 1:
-            raise bad("max_lr_scale must be >= 1")
-        if self.replan_every < 0:
-            raise bad("replan_every must be >= 0 (0: never re-plan)")
-        if not 0 < self.ema_weight <= 1:
-            raise bad("ema_weight must be in (0, 1]")
-        if self.activation_bytes_per_sample < 0:
-            raise bad("activation_bytes_per_sample must be >= 0")
-        if not 0 < self.outer_lr <= 2 or not 0 <= self.outer_momentum < 1:
-            raise bad("outer_lr must be in (0, 2] and outer_momentum in [0, 1)")
+        super().__post_init__()
+        # across two fields, so no one field's declaration can say it
+        if self.min_local_steps > self.max_local_steps:
+            raise ConfigError(f"strategy {self.name}: min_local_steps ({self.min_local_steps}) "
+                              f"must be <= max_local_steps ({self.max_local_steps})")
 
     # ---- planning -------------------------------------------------------------------------
     def setup(self, ctx: RunContext) -> None:

@@ -4,8 +4,8 @@ momentum by default): every worker runs H local steps, then parameters are avera
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from hetrain.errors import ConfigError
 from hetrain.strategies.base import (
     BarrierMixin,
     Decision,
@@ -15,6 +15,7 @@ from hetrain.strategies.base import (
     Strategy,
     WorkTask,
 )
+from hetrain.strategies.options import MAX_STEPS, Limit, fraction, integer
 from hetrain.strategies.registry import register
 
 
@@ -32,20 +33,12 @@ class LocalSGD(BarrierMixin, Strategy):
     update = "delta"
     weights = "average"
 
-    local_steps: int = 8
+    local_steps: Annotated[int, integer(1, MAX_STEPS)] = 8
     """Inner steps between two averagings (H)."""
-    outer_lr: float = 1.0
+    outer_lr: Annotated[float, Limit(0, 2, lo_open=True)] = 1.0
     """Outer SGD learning rate on the averaged delta (1: plain averaging; DiLoCo: 0.7)."""
-    outer_momentum: float = 0.0
+    outer_momentum: Annotated[float, fraction(lo_open=False)] = 0.0
     """Outer Nesterov momentum (DiLoCo: 0.9)."""
-
-    def __post_init__(self) -> None:
-        if self.local_steps < 1:
-            raise ConfigError(f"strategy local_sgd: local_steps must be >= 1, got {self.local_steps}")
-        if not 0 < self.outer_lr <= 2:
-            raise ConfigError("strategy local_sgd: outer_lr must be in (0, 2]")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError("strategy local_sgd: outer_momentum must be in [0, 1)")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)

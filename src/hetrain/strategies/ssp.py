@@ -12,12 +12,12 @@ class of its own (clock_gate.py), because ASHL's SHL stage uses the same bound o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from hetrain.errors import ConfigError
 from hetrain.strategies.asp import ASP
 from hetrain.strategies.base import Decision, Push, RunContext
 from hetrain.strategies.clock_gate import ClockGate
-from hetrain.strategies.options import is_int_at_least
+from hetrain.strategies.options import MAX_STEPS, integer
 from hetrain.strategies.registry import register
 
 
@@ -28,14 +28,8 @@ class SSP(ASP):
 
     name = "ssp"
 
-    staleness: int = 3
+    staleness: Annotated[int, integer(0, MAX_STEPS)] = 3
     """s: how many iterations a worker may run ahead of the slowest (0: lock-step)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not is_int_at_least(self.staleness, 0):
-            raise ConfigError(f"strategy ssp: staleness must be an integer >= 0, "
-                              f"got {self.staleness!r}")
 
     def setup(self, ctx: RunContext) -> None:
         super().setup(ctx)
