@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hetrain-installed
 
-.PHONY: setup demo test test-fast test-slow lint clean
+.PHONY: setup demo test test-fast test-slow lint bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ test-fast: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+# A named, short benchmark set (benchmarks/quick.py's QUICK) into runs/bench/, never into
+# benchmarks/results/: a quick look at planner speed and simulated time-to-accuracy.
+bench: setup
+	$(PY) benchmarks/quick.py
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks examples

@@ -9,7 +9,8 @@ single-site clusters and, to exercise 2-D meshes and WAN links, 2 x 4 and 8 x 8 
 clusters (sites of 4 / 8 devices, 10 Gbit/s LAN, 1 Gbit/s WAN). Targets: < 1 s (12 layers,
 8 devices) and < 30 s (48 layers, 64 devices). Gains are the cost model's predicted
 iteration time of pure data parallelism over all devices divided by the chosen plan's
-(simulated: no training runs here). Writes benchmarks/results/autoddl_search.{json,md}.
+(simulated: no training runs here). Writes autoddl_search.{json,md} to
+benchmarks/results/ ($HETRAIN_BENCH_RESULTS when set).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from common import results_dir
 
 from hetrain.cluster import GBIT, Cluster, Device, Link, Site, homogeneous, preset
 from hetrain.plan.cost import clear_caches
@@ -27,7 +29,7 @@ from hetrain.plan.graph import gpt_graph, vgg_graph
 from hetrain.plan.sbp import mesh_comm
 from hetrain.plan.search import SearchResult, search_plan
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 
 
 def two_level(sites: int, per_site: int) -> Cluster:

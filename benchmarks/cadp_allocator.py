@@ -6,7 +6,8 @@ Random instances (fixed costs 0-1 s, per-sample costs 1e-4-1 s log-uniform, half
 memory caps), S = 100 samples per device, granularity 1 and 32. Reports the median and spread of
 --repeats wall times per size, the continuous optimum T*, the integer makespan and the rounding
 gap (makespan - T*) / max_j b_j, which the theorem in plan/allocate.py bounds by 1 (units).
-Target: 10,000 devices well under a second. Writes benchmarks/results/cadp_allocator.{json,md}.
+Target: 10,000 devices well under a second. Writes cadp_allocator.{json,md} to
+benchmarks/results/ ($HETRAIN_BENCH_RESULTS when set).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import results_dir
 
 from hetrain.plan.allocate import allocate
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 
 
 def instance(n: int, seed: int, capped: bool, g: int):  # type: ignore[no-untyped-def]

@@ -12,7 +12,8 @@ median and min-max over the seeds: TTA (virtual seconds to the target test accur
 per-seed speed-up ddp TTA / strategy TTA, the final test accuracy (last evaluation) and its
 gap to ddp in points, the mean of the last epoch's evaluations (less noisy), and hardware
 efficiency (achieved / sum of the devices' samples/s).
-Writes benchmarks/results/<--out, default cadp_tta>.{json,md,png}.
+Writes <--out, default cadp_tta>.{json,md,png} to benchmarks/results/ ($HETRAIN_BENCH_RESULTS
+when set).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from common import spread
+from common import results_dir, spread
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 STRATEGIES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {}), ("local_sgd", {}), ("cadp", {}), ("fastest-alone", {}))
 """fastest-alone: the cluster's fastest device training by itself (plain SGD, the same batch

@@ -15,8 +15,19 @@ re-summarising them reproduces the published figures:
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Iterable
+from pathlib import Path
+
+RESULTS_ENV = "HETRAIN_BENCH_RESULTS"
+
+
+def results_dir() -> Path:
+    """Where a benchmark writes its results files: benchmarks/results/, the published ones, or
+    the folder $HETRAIN_BENCH_RESULTS names (`make bench`'s scratch folder, so a quick run
+    never overwrites a published figure)."""
+    return Path(os.environ.get(RESULTS_ENV) or Path(__file__).parent / "results")
 
 
 def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:

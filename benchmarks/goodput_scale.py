@@ -10,7 +10,7 @@ PS NIC at 25 Gbit/s; the MNIST-1D CNN's FLOPs and bytes; G up to an epoch / 16 (
 the median of `--repeats` runs in this process (no gradients: the model of time and statistical
 efficiency only). Order: each preset's plan with its devices listed in reverse and in a random
 order must give the same PS site, G, H, goodput and shares per kind of device.
-Writes benchmarks/results/goodput_scale.{json,md}.
+Writes goodput_scale.{json,md} to benchmarks/results/ ($HETRAIN_BENCH_RESULTS when set).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import results_dir
 
 from hetrain.cluster import Cluster, Device, Link, Site, preset
 from hetrain.plan.goodput import GoodputPlan, plan_cluster
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 FPS, MODEL_BYTES, TRAIN = 966_400, 54_824, 16_000
 
 

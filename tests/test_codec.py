@@ -108,6 +108,50 @@ def test_a_moved_class_loads_under_its_old_name() -> None:
         assert _same(examples[new], codec.from_tree(tree, tensors))
 
 
+def test_checkpoints_from_before_the_ema_module_still_load() -> None:
+    """The moving averages and per-worker costs became `hetrain.plan.ema` objects; a checkpoint
+    written before holds them as plain floats and arrays, and `_upgrade_attrs` reads it back
+    as the same state."""
+    from hetrain.plan.local_steps import OnlineCosts
+    from hetrain.plan.noise import GradientNoiseScale, GradProbe
+    from hetrain.profile import Profile, worker_profiles
+
+    noise = GradientNoiseScale(0.2)
+    for i in range(3):
+        noise.observe(GradProbe(4.0 + i, 16, 1.5, 32))
+    old = {"ema_weight": 0.2, "_grad_sq": noise._grad_sq.mean, "_trace": noise._trace.mean,
+           "_decay": noise._grad_sq.decay, "probes": 3}
+    assert _same(noise, codec.from_tree({"o": [codec._key(GradientNoiseScale), old]}, []))
+    del old["probes"]
+    with pytest.raises(codec.CodecError, match="older version"):
+        codec.from_tree({"o": [codec._key(GradientNoiseScale), old]}, [])
+
+    profile = Profile(worker_profiles(["a", "b"], 8, [0.1, 0.2], [0.01, 0.02], [0.01, 0.02]),
+                      1000, 1000, "measured")
+    costs = OnlineCosts(profile)
+    costs.observe(1, 0.9, 3, 0.1)
+    tree, tensors = codec.to_tree(costs)
+    attrs = tree["o"][1]
+    attrs["step_s"] = attrs.pop("compute_s")
+    back = codec.from_tree(tree, tensors)
+    assert _same(dict(sorted(vars(costs).items())), dict(sorted(vars(back).items())))
+
+    cfg = config_from_dict({"cluster": "hetero-4", "strategy": {"name": "cadp"},
+                            "workload": {"model": "mlp", "dataset": "digits"},
+                            "stop": {"max_epochs": 0.3}})
+    sim = Simulator(prepare(cfg))
+    sim.run()
+    cadp = sim.strategy
+    tree, tensors = codec.to_tree(cadp)
+    attrs = tree["o"][1]
+    del attrs["costs"]  # plain floats: no tensors of its own
+    for name, values in (("_compute_s", cadp.costs.compute_s), ("_comm_s", cadp.costs.comm_s)):
+        attrs[name] = {"n": ["float64", [len(values)]]}  # last in the tree, so last tensors
+        tensors.append(torch.from_numpy(np.array(values).view(np.uint8)))
+    back = codec.from_tree(tree, tensors)
+    assert _same(dict(sorted(vars(cadp).items())), dict(sorted(vars(back).items())))
+
+
 def _crafted(tree: object, tail: bytes = b"") -> torch.Tensor:
     header = json.dumps(tree).encode()
     head = struct.pack("<4sI", codec.MAGIC, len(header)) + header

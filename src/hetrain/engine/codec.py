@@ -16,7 +16,10 @@ An object becomes a JSON tree plus a list of tensors (`to_tree`), and back (`fro
 Only the allowlist's classes (hetrain's own value types and the registered strategies) can be
 built, without calling their constructors, from attributes that are themselves plain data: a
 crafted message or file cannot name a callable, so decoding runs no code of the sender's
-choosing. Every dtype is checked against an allowlist, every shape against the bytes that
+choosing. A class whose attributes changed may define a static `_upgrade_attrs(attrs) -> attrs`
+that turns an older version's decoded attributes into its own (the class's code, not the
+file's), so checkpoints written before the change still load; `RENAMED` does the same for a
+class that moved. Every dtype is checked against an allowlist, every shape against the bytes that
 carry it, nesting depth and sizes are bounded; anything else is a `CodecError`.
 
 `pack`/`unpack` put the tree and the tensor bytes in one uint8 tensor for the wire:
@@ -58,6 +61,7 @@ ALLOWED_CLASSES = (
     "hetrain.compress.base.Compressed", "hetrain.context.RunContext",
     "hetrain.engine.core.DataOwner", "hetrain.engine.core.TaskResult",
     "hetrain.plan.allocate.Allocation", "hetrain.plan.allocate.RoundWork",
+    "hetrain.plan.ema.EMA", "hetrain.plan.ema.WorkerCosts",
     "hetrain.plan.goodput.Costs", "hetrain.plan.goodput.GoodputPlan",
     "hetrain.plan.goodput.StatModel",
     "hetrain.plan.noise.GradProbe", "hetrain.plan.noise.GradientNoiseScale",
@@ -328,8 +332,16 @@ def _dec_object(v: Any, src: Any, depth: int) -> Any:
         missing = {f.name for f in dataclasses.fields(cls) if f.init} - set(attrs)
         if missing:
             raise CodecError(f"{name} lacks field(s) {sorted(missing)}")
+    values = {k: _dec(x, src, depth) for k, x in attrs.items()}
+    upgrade = getattr(cls, "_upgrade_attrs", None)
+    if upgrade is not None:
+        try:
+            values = upgrade(values)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodecError(f"{name}: attributes of an older version that do not upgrade "
+                             f"({type(e).__name__}: {e})") from None
     obj: object = object.__new__(cls)
-    obj.__dict__.update({k: _dec(x, src, depth) for k, x in attrs.items()})
+    obj.__dict__.update(values)
     return obj
 
 

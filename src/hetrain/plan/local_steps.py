@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetrain.errors import ConfigError
+from hetrain.plan.ema import WorkerCosts
 from hetrain.profile.profile import Profile, WorkerProfile
 
 
@@ -126,28 +128,39 @@ class FractionalSteps:
         return steps
 
 
-class OnlineCosts:
+class OnlineCosts(WorkerCosts):
     """Per-worker step and commit times: a profile first, then EMAs of what pushes report.
 
     A push carries its measured compute time (`compute_s / steps` is the step time) and the
     time of its pull plus push on the wire (`comm_s`, including queueing at the server), so
     the plan follows devices that slow down without the strategy reading any clock.
+    `compute_s` (alias `step_s`) holds seconds per local step, `comm_s` seconds per commit.
     """
 
     def __init__(self, profile: Profile, weight: float = 0.3) -> None:
-        if not 0 < weight <= 1:
-            raise ConfigError(f"online costs: EMA weight must be in (0, 1], got {weight}")
+        super().__init__([w.step_time_s for w in profile.workers],
+                         [w.comm_time_s for w in profile.workers], weight,
+                         "online costs: EMA weight")
         self.base = profile
-        self.weight = weight
-        self.step_s = [w.step_time_s for w in profile.workers]
-        self.comm_s = [w.comm_time_s for w in profile.workers]
+
+    @property
+    def step_s(self) -> list[float]:
+        """Seconds per local step, per worker (`compute_s`)."""
+        return self.compute_s
+
+    @staticmethod
+    def _upgrade_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before OnlineCosts was a `WorkerCosts` names its step times
+        `step_s` (hetrain.engine.codec calls this when it reads one back)."""
+        if "step_s" in attrs:
+            attrs["compute_s"] = attrs.pop("step_s")
+        return attrs
 
     def observe(self, worker: int, compute_s: float, steps: int, comm_s: float) -> None:
-        a = self.weight
-        if steps > 0 and compute_s > 0:
-            self.step_s[worker] = (1 - a) * self.step_s[worker] + a * compute_s / steps
-        if comm_s >= 0:
-            self.comm_s[worker] = (1 - a) * self.comm_s[worker] + a * comm_s
+        """Fold in one push: `compute_s` over `steps` local steps (none, or no time: a push
+        that says nothing about the step time) and `comm_s` on the wire (< 0: not measured)."""
+        self.update(worker, compute_s if steps > 0 and compute_s > 0 else None,
+                    comm_s if comm_s >= 0 else None, units=steps)
 
     def profile(self) -> Profile:
         """The current estimate as a Profile (the commit time split like the base's)."""

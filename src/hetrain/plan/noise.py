@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from hetrain.errors import ConfigError
+from hetrain.plan.ema import EMA, check_weight
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,22 @@ class GradientNoiseScale:
     """Bias-corrected moving averages of |G|^2 and tr(Sigma) from a stream of probes."""
 
     def __init__(self, ema_weight: float = 0.05) -> None:
-        if not 0 < ema_weight <= 1:
-            raise ConfigError(f"noise-scale ema_weight must be in (0, 1], got {ema_weight}")
-        self.ema_weight = ema_weight
-        self._grad_sq = 0.0
-        self._trace = 0.0
-        self._decay = 1.0      # (1 - w)^t: what the zero start still weighs
+        self.ema_weight = check_weight(ema_weight, "noise-scale ema_weight")
+        self._grad_sq = EMA(ema_weight, bias_corrected=True)
+        self._trace = EMA(ema_weight, bias_corrected=True)
         self.probes = 0
+
+    @staticmethod
+    def _upgrade_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before the averages were `EMA`s holds their raw floats and
+        one shared `_decay` (hetrain.engine.codec calls this when it reads one back)."""
+        if "_decay" in attrs:
+            decay = attrs.pop("_decay")
+            for name in ("_grad_sq", "_trace"):
+                ema = EMA(attrs["ema_weight"], bias_corrected=True)
+                ema.mean, ema.decay, ema.count = attrs[name], decay, attrs["probes"]
+                attrs[name] = ema
+        return attrs
 
     def observe(self, probe: GradProbe, weight: float | None = None) -> None:
         """Fold one probe into the averages with `weight` (default: ema_weight); a probe that
@@ -72,23 +82,21 @@ class GradientNoiseScale:
         grad_sq, trace = probe.estimates()
         if not (math.isfinite(grad_sq) and math.isfinite(trace)):
             return
-        w = self.ema_weight if weight is None else weight
-        if not 0 < w <= 1:
-            raise ConfigError(f"noise-scale probe weight must be in (0, 1], got {w}")
-        self._grad_sq = (1 - w) * self._grad_sq + w * grad_sq
-        self._trace = (1 - w) * self._trace + w * trace
-        self._decay *= 1 - w
+        w = check_weight(self.ema_weight if weight is None else weight,
+                         "noise-scale probe weight")
+        self._grad_sq.update(grad_sq, w)
+        self._trace.update(trace, w)
         self.probes += 1
 
     @property
     def grad_sqnorm(self) -> float | None:
         """Smoothed |G|^2 (None before the first probe)."""
-        return self._grad_sq / (1 - self._decay) if self.probes else None
+        return self._grad_sq.value if self.probes else None
 
     @property
     def trace_cov(self) -> float | None:
         """Smoothed tr(Sigma), the per-sample gradient variance (None before the first probe)."""
-        return self._trace / (1 - self._decay) if self.probes else None
+        return self._trace.value if self.probes else None
 
     @property
     def noise_scale(self) -> float | None:

@@ -173,7 +173,7 @@ class Auto(CADP):
         """The round costs to plan with: the model's links, measured compute per sample."""
         c = self._model_costs
         per_sample = tuple(float(x) if self._caps[j] > 0 else float("inf")
-                           for j, x in enumerate(self._compute_s))
+                           for j, x in enumerate(self.costs.compute_s))
         member = max(c.member_s, self._measured_member_s or 0.0)
         return Costs(c.ps_site, c.comm_s, c.overhead_s, per_sample, member)
 
@@ -186,7 +186,7 @@ class Auto(CADP):
         if opened is None or not active or self._lost:
             return
         c = self._model_costs
-        own = max(c.comm_s[j] + steps * c.overhead_s[j] + float(self._compute_s[j]) * shares[j]
+        own = max(c.comm_s[j] + steps * c.overhead_s[j] + self.costs.compute_s[j] * shares[j]
                   for j in active)
         unexplained = (closed_s - opened) - own
         if unexplained < 1e-9:   # float rounding where the model is exact (the simulator)

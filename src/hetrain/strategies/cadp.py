@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from hetrain.plan.allocate import (
     round_costs,
     speed_weighted_local_steps,
 )
+from hetrain.plan.ema import WorkerCosts
 from hetrain.strategies.base import Decision, OuterOptimizer, Push, RunContext, Strategy, WorkTask
 from hetrain.strategies.options import MAX_STEPS, Limit, fraction, integer
 from hetrain.strategies.registry import register
@@ -129,8 +130,9 @@ class CADP(Strategy):
         memory = RoundWork(samples=0, flops_per_sample=ctx.flops_per_sample,
                            model_bytes=ctx.model_bytes, steps=0, ship_data=False)
         comm0, compute0, _ = round_costs(cl, memory)
-        self._comm_s, self._compute_s = np.array(comm0), np.array(compute0)   # priors
-        speed = 1.0 / self._compute_s                                          # samples/s
+        # per device: seconds per sample and per pull + push; priors from the cluster model
+        self.costs = WorkerCosts(compute0, comm0, self.ema_weight, "strategy cadp: ema_weight")
+        speed = 1.0 / np.array(self.costs.compute_s)                           # samples/s
         v_mean = float(speed.mean())
         overhead_bound = math.ceil(float(self._overhead_s.max()) * v_mean / self.overhead_fraction)
         epoch_bound = ctx.train_samples // (self.min_steps_per_epoch * n)
@@ -138,7 +140,7 @@ class CADP(Strategy):
         self.global_batch = n * self.mean_batch
         step_s = self.mean_batch / v_mean
         self.steps = self.local_steps or min(
-            speed_weighted_local_steps(self._comm_s, self._compute_s, step_s,
+            speed_weighted_local_steps(self.costs.comm_s, self.costs.compute_s, step_s,
                                        self.comm_fraction, self.min_local_steps,
                                        self.max_local_steps),
             max(self.min_local_steps, ctx.train_samples // self.global_batch))
@@ -177,11 +179,11 @@ class CADP(Strategy):
         return int(min(share, max(0, self._partition(worker) - self._held[worker])))
 
     def _replan(self) -> None:
-        fixed = self._comm_s + self.steps * self._overhead_s
+        fixed = np.array(self.costs.comm_s) + self.steps * self._overhead_s
         ships = np.array([self.ship_data and (not self.cache_data or self.plan is None
                                               or self._held[j] < self._partition(j))
                           for j in range(len(fixed))])
-        self.plan = allocate(fixed, self._compute_s + self._ship_s * ships,
+        self.plan = allocate(fixed, np.array(self.costs.compute_s) + self._ship_s * ships,
                              self.samples_per_round, self._caps, granularity=self.steps)
         self._shares = self.plan.shares
         self._record_shares()
@@ -190,13 +192,22 @@ class CADP(Strategy):
         if not self.history or self.history[-1] != self._shares:
             self.history.append(self._shares)
 
+    @staticmethod
+    def _upgrade_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before the costs were a `WorkerCosts` holds them as two arrays
+        (hetrain.engine.codec calls this when it reads one back)."""
+        if "_compute_s" in attrs:
+            attrs["costs"] = WorkerCosts(attrs.pop("_compute_s"), attrs.pop("_comm_s"),
+                                         attrs["ema_weight"])
+        return attrs
+
     def _observe(self, p: Push) -> None:
-        """Fold one push's measured times into the moving averages."""
-        j, w = p.worker, self.ema_weight
+        """Fold one push's measured times into the moving averages: per sample without the
+        step overheads, on the wire without the shipped samples."""
+        j = p.worker
         compute = max(p.compute_s - p.steps * self._overhead_s[j], 1e-3 * p.compute_s) / p.samples
         comm = max(0.0, p.comm_s - self._ship_s[j] * self._shipped[j])
-        self._compute_s[j] = (1 - w) * self._compute_s[j] + w * compute
-        self._comm_s[j] = (1 - w) * self._comm_s[j] + w * comm
+        self.costs.update(j, compute, comm)
 
     # ---- protocol -------------------------------------------------------------------------
     def next_task(self, worker: int) -> WorkTask:
@@ -273,7 +284,7 @@ class CADP(Strategy):
     def stats(self) -> dict[str, float | int | str]:
         plan = self.plan
         assert plan is not None
-        speed_sum = float((1.0 / self._compute_s).sum())
+        speed_sum = float((1.0 / np.array(self.costs.compute_s)).sum())
         return {"local_steps": self.steps, "mean_batch": self.mean_batch,
                 "global_batch": self.global_batch, "samples_per_round": self.samples_per_round,
                 "lr_scale": self.lr_scale, "rounds": self.rounds, "replans": self.replans,
