@@ -67,14 +67,15 @@ LEARNS_BY_HALF_EPOCH = ("cadp", "ashl")
                                   for n in sorted(REGISTRY)])
 def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small) -> None:
     # At 0.1 epochs every PS strategy's accuracy is still chance (0.09-0.19 over seeds 0-2),
-    # so no bar above chance can be checked there. cadp and ashl train 0.5 epochs and reach
-    # 0.185-0.23 (seeds 0-2), while chance on the 800 test samples is 0.10 +- 0.011: the bar
-    # 0.15 is 4.7 sd above chance and 0.035 below the lowest seen. asp and ssp do not clear it
-    # reliably at 0.5 epochs (0.105 and 0.14 on seed 0); adsp and auto did (0.19-0.32) but on
-    # seeds 0-1 only. Those four keep 0.1 epochs and > 0.1, which says no more than that
-    # they ran: a known gap.
+    # so no bar above chance can be checked there. Chance on the 800 test samples is 0.10 +-
+    # 0.011, and the bar 0.15 is 4.7 sd above it. cadp and ashl clear it after 0.5 epochs
+    # (final accuracy 0.185-0.23 over seeds 0-2); the other PS strategies (slow tier) train a
+    # whole epoch and are held to their best evaluation (the last one of an asynchronous run
+    # is noisy): best accuracy over seeds 0-2 asp 0.22-0.26, ssp 0.27-0.30, adsp 0.26-0.34,
+    # auto 0.42-0.45 (final 0.15-0.21, 0.25-0.27, 0.23-0.34, 0.30-0.45).
     learns = name in LEARNS_BY_HALF_EPOCH
-    cfg = make_cfg(name, epochs=0.5 if learns else 0.1)
+    ps = REGISTRY[name].comm != "allreduce"
+    cfg = make_cfg(name, epochs=0.5 if learns else 1.0 if ps else 0.1)
     r = run_config(cfg, runs_root=tmp_path, workload=mnist1d_cnn_small)
     sim = run_config(cfg.replace(engine="sim"), runs_root=None,
                      workload=mnist1d_cnn_small).summary
@@ -93,8 +94,10 @@ def test_every_strategy_trains_over_gloo(name: str, tmp_path, mnist1d_cnn_small)
         assert s["unsent_samples"] == sim["unsent_samples"]
         assert s["final_accuracy"] == pytest.approx(sim["final_accuracy"], abs=2e-3)
     else:  # timing decides the order of pushes, so only the amount of work is comparable
-        assert s["updates"] >= max(1, sim["updates"] // 2)
-        assert s["final_accuracy"] > (0.15 if learns else 0.1), s["final_accuracy"]
+        if name != "auto":  # auto sizes its global batch and H from measured step times
+            assert s["updates"] >= max(1, sim["updates"] // 2)  # (24 updates here vs 267)
+        reached = s["final_accuracy"] if learns else s["best_accuracy"]
+        assert reached > 0.15, (s["final_accuracy"], s["best_accuracy"])
 
 
 def test_ps_strategy_emulates_speeds(mnist1d_cnn_small) -> None:
