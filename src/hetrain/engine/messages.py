@@ -6,8 +6,8 @@ the receiver that needs it asks for it with `present`. The dataclasses' annotati
 schema: on the wire a message is a dict with a "kind" (`to_wire`; the codec encodes that, and
 nothing is unpickled), and `from_wire` vets what a peer sent against the annotations before
 anyone reads it: an unknown kind, a missing or unknown key, or a value of the wrong type (a
-bool where an int is expected included) is a `MessageError`, and the receiver stops that peer
-with a log line saying which. An absent optional field is left out of the dict, never sent as
+bool where an int is expected included; a Literal field's value outside its values) is a
+`MessageError`, and the receiver stops that peer with a log line saying which. An absent optional field is left out of the dict, never sent as
 null, so on the wire every value has its field's type.
 """
 
@@ -210,8 +210,8 @@ class Echo:
     data: torch.Tensor
 
 
-Message: TypeAlias = (Setup | Task | Apply | Drop | Stop | Ready | Push | Pull | Block | State | Bye | Steps
-                     | StepTimes | Ping | Model | Echo)
+Message: TypeAlias = (Setup | Task | Apply | Drop | Stop | Ready | Push | Pull | Block | State
+                     | Bye | Steps | StepTimes | Ping | Model | Echo)
 KINDS: dict[str, type[Message]] = {cls.kind: cls for cls in typing.get_args(Message)}
 
 
@@ -228,6 +228,8 @@ class _Field(NamedTuple):
 
 
 def _field(hint: Any, required: bool) -> _Field:
+    """A field's annotation as what `from_wire` checks; TypeError for one it could not check
+    (Any, a bare TypeVar): the annotations are the protocol, so each must say something."""
     members = [a for a in typing.get_args(hint) if a is not type(None)] \
         if typing.get_origin(hint) in (Union, types.UnionType) else [hint]
     if len(members) == 1 and typing.get_origin(members[0]) is Literal:
