@@ -4,10 +4,13 @@ peer sends that the annotations do not allow is refused with a line saying why."
 from __future__ import annotations
 
 import dataclasses
+import queue
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from hetrain.cluster import load_cluster
 from hetrain.compress import make_compressor
@@ -171,3 +174,52 @@ def test_an_annotation_the_check_cannot_follow_is_refused() -> None:
         messages._field(Any, True)
     with pytest.raises(TypeError, match="must be checkable"):
         messages._field(int | Any, False)
+
+
+# ---- over a real gloo link -----------------------------------------------------------------
+def _pair_rank(rank: int, port: int, out: Any) -> None:
+    """Rank 1 sends a valid ping, then a push whose samples is a bool (well encoded, so only
+    the message check can refuse it); rank 0 receives as the engine does (`wire.pump`)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        if rank == 1:
+            wire.send_obj(messages.Ping(data=torch.arange(3.0)), 0)
+            data = codec.pack({"kind": "push", "samples": True})
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64), 0)
+            dist.send(data, 0)
+        else:
+            q: queue.Queue[Any] = queue.Queue()
+            wire.pump(1, q)  # returns once it stops listening to rank 1
+            events = []
+            while not q.empty():
+                kind, src, obj, _ = q.get()
+                events.append((kind, src, obj.kind if kind == "msg" else obj))
+            out.put(events)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_peer_that_sends_an_ill_typed_message_is_reported_lost_with_why() -> None:
+    port = wire.free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_pair_rank, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        events = out.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert events == [("msg", 1, "ping"),
+                      ("lost", 1, "rank 1 sent a malformed message: 'push' message: samples "
+                                  "is a bool")], events
+    assert [p.exitcode for p in procs] == [0, 0]
