@@ -218,11 +218,12 @@ def test_message_schema_refuses_what_the_protocol_does_not_allow(msg: object, wh
 def test_real_messages_pass_the_schema() -> None:
     comp = make_compressor("none")
     payload = comp.compress(torch.randn(10))
-    push = {"kind": "push", "samples": 32, "steps": 1, "loss": 0.5, "compute_s": 0.1,
-            "comm_s": 0.0, "probe": (1.0, 2.0, 3.0), "payload": payload, "buffers": [],
-            "shard_bytes": (0, 0), "times": {"busy_s": 0.1}, "overruns": 0}
+    push = messages.Push(samples=32, steps=1, loss=0.5, compute_s=0.1, comm_s=0.0,
+                         probe=(1.0, 2.0, 3.0), payload=payload, buffers=[], shard_bytes=(0, 0),
+                         times={"busy_s": 0.1}, overruns=0)
     back = wire.decode(wire.encode(push))
-    assert torch.equal(comp.extract(back["payload"]), comp.extract(payload))
+    assert isinstance(back, messages.Push) and back.payload is not None
+    assert torch.equal(comp.extract(back.payload), comp.extract(payload))
 
 
 def test_announced_length_is_bounded_before_allocating(monkeypatch) -> None:

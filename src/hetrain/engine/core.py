@@ -121,19 +121,21 @@ def observe_evaluations(server: Server, rows: list[dict[str, Any]]) -> None:
             server.schedule.observe(row["updates"], row["test_loss"], row["test_accuracy"])
 
 
-def plateau_factor(server: Server) -> dict[str, float]:
-    """{"lr_factor": f} for an update message when the schedule steps on evaluations
-    (ReduceLROnPlateau): f is the factor of the update at the server's current version, which
-    servers that never see an evaluation (all-reduce workers, PS shards) cannot compute."""
+def plateau_factor(server: Server) -> float | None:
+    """The `lr_factor` of an update message when the schedule steps on evaluations
+    (ReduceLROnPlateau; None for any other): the factor of the update at the server's current
+    version, which servers that never see an evaluation (all-reduce workers, PS shards) cannot
+    compute."""
     if not isinstance(server.schedule, PlateauSchedule):
-        return {}
-    return {"lr_factor": server.schedule.factor(server.version)}
+        return None
+    return server.schedule.factor(server.version)
 
 
-def follow_plateau(server: Server, msg: dict[str, Any]) -> None:
-    """Take rank 0's plateau factor (`plateau_factor`) for this server's next update."""
-    if "lr_factor" in msg and isinstance(server.schedule, PlateauSchedule):
-        server.schedule.follow(server.version, float(msg["lr_factor"]))
+def follow_plateau(server: Server, lr_factor: float | None) -> None:
+    """Take rank 0's plateau factor (`plateau_factor`, if its message carried one) for this
+    server's next update."""
+    if lr_factor is not None and isinstance(server.schedule, PlateauSchedule):
+        server.schedule.follow(server.version, float(lr_factor))
 
 
 def schedule_metrics(server: Server) -> dict[str, float]:

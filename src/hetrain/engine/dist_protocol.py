@@ -14,10 +14,12 @@ workers report of their bytes, and whether a run can go on without a lost worker
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from hetrain.engine.core import Buffered, plateau_factor
 from hetrain.engine.devices import host_tree
+from hetrain.engine.messages import Apply, Push, State, Task, expect, present
 from hetrain.engine.signals import WorkerLostError
 from hetrain.report.metrics import WorkerTimes
 from hetrain.strategies import Decision
@@ -41,13 +43,14 @@ class CommProtocol:
         """The model state a worker starts from (None: its task brings the parameters)."""
         return None
 
-    def fill_task(self, w: int, msg: dict[str, Any]) -> None:
-        """Add what worker w's task message carries besides the task and its batches."""
+    def fill_task(self, w: int, msg: Task) -> Task:
+        """Worker w's task message with what it carries besides the task and its batches."""
+        return msg
 
     def task_sent(self, w: int, nbytes: int) -> None:
         """Worker w was sent a task message of nbytes."""
 
-    def push_item(self, w: int, msg: dict[str, Any], nbytes: int) -> Buffered:
+    def push_item(self, w: int, msg: Push, nbytes: int) -> Buffered:
         """Worker w's push (a message of nbytes) as the server buffers it."""
         raise NotImplementedError
 
@@ -80,26 +83,28 @@ class CommProtocol:
 class PSProtocol(CommProtocol):
     """comm = "ps": rank 0 and the PS shards hold the global model and apply the pushes."""
 
-    def fill_task(self, w: int, msg: dict[str, Any]) -> None:
+    def fill_task(self, w: int, msg: Task) -> Task:
         c = self.c
-        msg["params"], msg["buffers"] = c.server.params(), c.server.buffers()
-        msg["version"] = c.base_version[w] = c.server.version
+        c.base_version[w] = c.server.version
+        return dataclasses.replace(msg, params=c.server.params(), buffers=c.server.buffers(),
+                                   version=c.server.version)
 
     def task_sent(self, w: int, nbytes: int) -> None:
         self.c.log.workers[w].bytes_received += nbytes
 
-    def push_item(self, w: int, msg: dict[str, Any], nbytes: int) -> Buffered:
+    def push_item(self, w: int, msg: Push, nbytes: int) -> Buffered:
         times = self.c.log.workers[w]
-        sent, received = msg.get("shard_bytes", (0, 0))  # its messages with the shards
+        sent, received = msg.shard_bytes or (0, 0)  # its messages with the shards
         times.bytes_sent += nbytes + sent
         times.bytes_received += received
-        return self.c.p.compressor.extract(msg["payload"]), msg["buffers"], msg["samples"]
+        return (self.c.p.compressor.extract(present(msg.payload, msg, "payload")),
+                present(msg.buffers, msg, "buffers"), present(msg.samples, msg, "samples"))
 
     def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
         c = self.c
         factor = plateau_factor(c.server)   # of this update, before it is applied
         c.server.apply(items)
-        c.shards.send({"kind": "apply", "items": list(decision.apply), **factor})
+        c.shards.send(Apply(items=list(decision.apply), lr_factor=factor))
 
     def sync_model(self) -> None:
         if self.c.server.version > 0:
@@ -119,7 +124,7 @@ class AllReduceProtocol(CommProtocol):
         super().__init__(c)
         self.pending_apply: dict[int, float] = {}
         """Each live worker's weight in the last all-reduced update, not yet sent to it."""
-        self.pending_factor: dict[str, float] = {}
+        self.pending_factor: float | None = None
         """ReduceLROnPlateau: the factor of the pending update (core.plateau_factor)."""
 
     def setup_state(self) -> dict[str, Any] | None:
@@ -128,13 +133,14 @@ class AllReduceProtocol(CommProtocol):
                 "optimizer": host_tree(server.optimizer.state_dict()),
                 "version": server.version}
 
-    def fill_task(self, w: int, msg: dict[str, Any]) -> None:
-        if w in self.pending_apply:
-            msg["apply_weight"] = self.pending_apply.pop(w)
-            msg.update(self.pending_factor)
+    def fill_task(self, w: int, msg: Task) -> Task:
+        if w not in self.pending_apply:
+            return msg
+        return dataclasses.replace(msg, apply_weight=self.pending_apply.pop(w),
+                                   lr_factor=self.pending_factor)
 
-    def push_item(self, w: int, msg: dict[str, Any], nbytes: int) -> Buffered:
-        return None, [], msg["samples"]  # the update stays with the worker
+    def push_item(self, w: int, msg: Push, nbytes: int) -> Buffered:
+        return None, [], present(msg.samples, msg, "samples")  # the update stays with the worker
 
     def take_bytes(self, mine: WorkerTimes, times: dict[str, Any]) -> None:
         mine.bytes_sent, mine.bytes_received = times["bytes_sent"], times["bytes_received"]
@@ -156,7 +162,7 @@ class AllReduceProtocol(CommProtocol):
         c = self.c
         for w, weight in sorted(self.pending_apply.items()):
             if w in c.live:
-                c.outbox.send({"kind": "apply", "weight": weight, **self.pending_factor}, w + 1)
+                c.outbox.send(Apply(weight=weight, lr_factor=self.pending_factor), w + 1)
         self.pending_apply = {}
 
     def pull_state(self, src: int | None = None) -> None:
@@ -164,12 +170,13 @@ class AllReduceProtocol(CommProtocol):
         c = self.c
         self.flush()
         src = min(c.live) if src is None else src
-        c.outbox.send({"kind": "state"}, src + 1)
-        kind, _, msg, _ = c.inbox.request(src + 1, c.cfg.dist.worker_timeout_s)
+        c.outbox.send(State(), src + 1)
+        kind, _, obj, _ = c.inbox.request(src + 1, c.cfg.dist.worker_timeout_s)
         if kind == "lost":
-            raise WorkerLostError(f"worker {src} was lost while sending the model: {msg}")
-        c.server.model.load_state_dict(msg["model"])
-        c.server.optimizer.load_state_dict(msg["optimizer"])
+            raise WorkerLostError(f"worker {src} was lost while sending the model: {obj}")
+        state = expect(obj, State)
+        c.server.model.load_state_dict(present(state.model, state, "model"))
+        c.server.optimizer.load_state_dict(present(state.optimizer, state, "optimizer"))
 
     def sync_model(self) -> None:
         if self.c.server.version > 0:

@@ -44,13 +44,14 @@ from typing import Any
 import torch
 
 from hetrain.context import ProgressFn
-from hetrain.engine import codec
+from hetrain.engine import codec, messages
 from hetrain.engine.core import Server, next_task
 from hetrain.engine.dist_checkpoints import Checkpoints
 from hetrain.engine.dist_protocol import protocol_for
 from hetrain.engine.dist_shard import ShardFanout
 from hetrain.engine.join import POLL_S, Admitted, JoinDesk
 from hetrain.engine.loop import RunLoop
+from hetrain.engine.messages import Drop, Message, Ready, Report, Setup, Stop, Task, present
 from hetrain.engine.setup import Prepared
 from hetrain.engine.signals import WORKER_GRACE_S, RunInterrupted, StopSignal, WorkerLostError
 from hetrain.engine.wire import Inbox, Link, Outbox, send_obj, set_message_limit
@@ -184,12 +185,12 @@ class Coordinator:
             self.outbox.send(self._setup_msg(w, state, shards), w + 1)
 
     def _setup_msg(self, w: int, state: dict[str, Any] | None,
-                   shards: dict[str, Any]) -> dict[str, Any]:
-        return {"kind": "setup", "worker": w, "cluster": self.p.cluster,
-                "flops_per_sample": self.p.ctx.flops_per_sample,
-                "update": self.strategy.update, "comm": self.strategy.comm,
-                "outer": self.strategy.outer(), "emulation": self.emulation,
-                "state": state, "shards": shards}
+                   shards: dict[str, Any]) -> Setup:
+        return Setup(worker=w, cluster=self.p.cluster,
+                     flops_per_sample=self.p.ctx.flops_per_sample,
+                     update=self.strategy.update, comm=self.strategy.comm,
+                     outer=self.strategy.outer(), emulation=self.emulation,
+                     state=state, shards=shards)
 
     def _await_ready(self) -> None:
         """Start the clock only when every worker has built its replica (a send to a worker
@@ -202,10 +203,10 @@ class Coordinator:
             self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
-            elif "error" in obj:  # a worker that cannot run as configured (e.g. its device)
-                errors.append(obj["error"])
+            elif isinstance(obj, Ready) and obj.error is not None:
+                errors.append(obj.error)  # it cannot run as configured (e.g. its device)
             else:
-                self.worker_devices[src - 1] = obj.get("device", "cpu")
+                self.worker_devices[src - 1] = _device(obj)
         if errors:
             self._stop_workers()
             raise ConfigError(errors[0])
@@ -215,34 +216,38 @@ class Coordinator:
         task = next_task(self.strategy, w, self.server)
         batches = [self.loop.owner.take(task.batch_size) for _ in range(task.local_steps)]
         self.drawn_by[w] += task.samples
-        msg: dict[str, Any] = {"kind": "task", "task": task, "batches": batches}
-        self.protocol.fill_task(w, msg)
+        msg = self.protocol.fill_task(w, Task(task=task, batches=batches))
         self.protocol.task_sent(w, self.outbox.send(msg, w + 1))
         self.busy.add(w)
         self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
 
-    def _on_push(self, w: int, msg: dict[str, Any], nbytes: int) -> None:
+    def _on_push(self, w: int, obj: Message, nbytes: int) -> None:
         self.busy.discard(w)
-        self._take_times(w, msg)
+        self._take_times(w, obj)
+        msg = messages.expect(obj, messages.Push)
         item = self.protocol.push_item(w, msg, nbytes)
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
         decision = self.loop.on_push(Push(
-            worker=w, base_version=self.base_version[w], samples=msg["samples"],
-            steps=msg["steps"], loss=msg["loss"], compute_s=k * msg["compute_s"],
-            comm_s=k * msg["comm_s"], arrival_s=k * self.clock(),
-            probe=GradProbe(*msg["probe"]) if "probe" in msg else None), item)
+            worker=w, base_version=self.base_version[w],
+            samples=present(msg.samples, msg, "samples"),
+            steps=present(msg.steps, msg, "steps"), loss=present(msg.loss, msg, "loss"),
+            compute_s=k * present(msg.compute_s, msg, "compute_s"),
+            comm_s=k * present(msg.comm_s, msg, "comm_s"), arrival_s=k * self.clock(),
+            probe=GradProbe(*msg.probe) if msg.probe is not None else None), item)
         self.loop.decide(decision)
 
-    def _take_times(self, w: int, msg: dict[str, Any]) -> None:
+    def _take_times(self, w: int, msg: Message) -> None:
         """Workers report their cumulative busy/comm/idle seconds with every message (a
         joined worker's add to those of the slot's earlier processes)."""
-        times, mine = msg["times"], self.log.workers[w]
+        if not isinstance(msg, Report):
+            raise messages.MessageError(f"worker {w} sent a '{msg.kind}' message to rank 0")
+        times, mine = present(msg.times, msg, "times"), self.log.workers[w]
         busy, comm, idle = self.times_base.get(w, (0.0, 0.0, 0.0))
         mine.busy_s, mine.comm_s, mine.idle_s = (busy + times["busy_s"], comm + times["comm_s"],
                                                  idle + times["idle_s"])
         self.protocol.take_bytes(mine, times)
-        self.overruns[w] = msg.get("overruns", 0)
+        self.overruns[w] = msg.overruns if msg.overruns is not None else 0
 
     def _check_source(self, src: int, kind: str, obj: Any) -> None:
         if src in self.shards.ranks:  # a shard only ever answers a request, or fails
@@ -258,7 +263,7 @@ class Coordinator:
         self.busy.discard(w)
         self.lost.append(w)
         self.loop.buffered[w].clear()
-        self.shards.send({"kind": "drop", "worker": w})
+        self.shards.send(Drop(worker=w))
         name = self.p.cluster.devices[w].name
         log.warning("hetrain: worker %d (rank %d, device %s) lost: %s; dropped, %d worker(s) "
                     "remain", w, w + 1, name, reason, len(self.live))
@@ -299,20 +304,20 @@ class Coordinator:
         log.warning("hetrain: join request %d authenticated: worker %d (device %s) is "
                     "setting up", a.ticket, w, self.p.cluster.devices[w].name)
 
-    def _on_ready(self, w: int, msg: dict[str, Any]) -> None:
+    def _on_ready(self, w: int, msg: Message) -> None:
         """A joiner built its replica: it is a live worker of its slot from now on."""
         self.joining.discard(w)
-        if msg["kind"] != "ready":
-            self._join_failed(w, f"it sent a '{msg['kind']}' message before 'ready'")
+        if not isinstance(msg, Ready):
+            self._join_failed(w, f"it sent a '{msg.kind}' message before 'ready'")
             return
-        if "error" in msg:  # it cannot run as configured: stop it, the slot stays free
+        if msg.error is not None:  # it cannot run as configured: stop it, the slot stays free
             self.outbox.wait(w + 1)
-            send_obj({"kind": "stop"}, self.links[w + 1])
-            self._join_failed(w, msg["error"])
+            send_obj(Stop(), self.links[w + 1])
+            self._join_failed(w, msg.error)
             return
         mine = self.log.workers[w]
         self.times_base[w] = (mine.busy_s, mine.comm_s, mine.idle_s)
-        self.worker_devices[w] = msg.get("device", "cpu")
+        self.worker_devices[w] = _device(msg)
         self.live.add(w)
         self.joined.append({"worker": w, "time_s": self.clock(),
                             "version": self.server.version,
@@ -454,7 +459,7 @@ class Coordinator:
         self.live |= self.joining  # a joiner still setting up is stopped like the others
         self.joining.clear()
         for w in sorted(self.live):
-            self.outbox.send({"kind": "stop"}, w + 1)
+            self.outbox.send(Stop(), w + 1)
             self.inbox.expect(w + 1, timeout_s)
         while self.inbox.waiting:
             kind, src, obj, _ = self.inbox.next()
@@ -470,7 +475,7 @@ class Coordinator:
         self.outbox.forget(w + 1)
         self.live.discard(w)
         self.lost.append(w)
-        self.shards.send({"kind": "drop", "worker": w})
+        self.shards.send(Drop(worker=w))
 
     def _summary(self, end_s: float) -> RunResult:
         em = self.emulation
@@ -485,3 +490,8 @@ class Coordinator:
             ps_shards=len(self.shards.blocks), emulation_overruns=self.overruns,
             eval_pause_s=self.eval_pause_s, ps_device=str(self.device),
             worker_devices=self.worker_devices)
+
+
+def _device(msg: Message) -> str:
+    """The torch device a worker's "ready" names (one that names none runs on the CPU)."""
+    return msg.device if isinstance(msg, Ready) and msg.device is not None else "cpu"

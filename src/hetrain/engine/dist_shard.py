@@ -8,14 +8,14 @@ carries out rank 0's commands, strictly in the order they were sent, so every bl
 through the same server updates as in a one-server run (the optimizers are element-wise, so a
 block steps as it would inside the whole model).
 
-Messages a shard receives:
-  from a worker   {"kind": "pull", "version": v}: answered with the block once the shard has
-                  applied v updates (what rank 0 had applied when it released the worker);
-                  {"kind": "push", "payload": the worker's compressed update of this block};
-  from rank 0     "setup" (the block, update mode, outer optimizer, optimizer state, version),
-                  "apply" (the Decision's (worker, weight) items: each worker's oldest buffered
-                  pushes, waited for if they have not arrived yet), "drop" (a lost worker),
-                  "state" (send the block and optimizer state), "stop".
+Messages a shard receives (`hetrain.engine.messages`):
+  from a worker   Pull(version=v): answered with a Block once the shard has applied v
+                  updates (what rank 0 had applied when it released the worker);
+                  Push(payload=the worker's compressed update of this block);
+  from rank 0     Setup (the block, update mode, outer optimizer, optimizer state, version),
+                  Apply (the Decision's (worker, weight) items: each worker's oldest buffered
+                  pushes, waited for if they have not arrived yet), Drop (a lost worker),
+                  State (send the block and optimizer state), Stop.
 """
 
 from __future__ import annotations
@@ -34,8 +34,23 @@ from hetrain.compress import Compressor
 from hetrain.config import RunConfig
 from hetrain.engine.core import Server, copy_flat_into, follow_plateau
 from hetrain.engine.devices import host_tree
+from hetrain.engine.messages import (
+    Apply,
+    Block,
+    Bye,
+    Drop,
+    Message,
+    Pull,
+    Push,
+    Setup,
+    State,
+    Stop,
+    expect,
+    present,
+)
 from hetrain.engine.signals import WorkerLostError
 from hetrain.engine.wire import Inbox, Outbox, pump, send_obj
+from hetrain.strategies.base import OuterOptimizer, Update
 
 log = logging.getLogger("hetrain.dist")
 JOIN_S = 10.0
@@ -80,17 +95,16 @@ class ShardFanout:
     def sizes(self) -> list[int]:
         return [sum(p.numel() for p in b) for b in self.blocks]
 
-    def setup(self, update: str, outer: Any, version: int) -> None:
+    def setup(self, update: Update, outer: OuterOptimizer, version: int) -> None:
         assert self.outbox is not None
         for s, rank in enumerate(self.ranks, 1):
-            self.outbox.send({"kind": "setup", "update": update, "outer": outer,
-                              "version": version,
-                              "params": [host_tree(p) for p in self.blocks[s]],
-                              "optimizer": self.optimizers[s - 1] if self.optimizers else None},
-                             rank)
+            self.outbox.send(Setup(update=update, outer=outer, version=version,
+                                   params=[host_tree(p) for p in self.blocks[s]],
+                                   optimizer=self.optimizers[s - 1] if self.optimizers
+                                   else None), rank)
 
-    def send(self, cmd: dict[str, Any]) -> None:
-        """A command to every shard ("apply", "drop", "state", "stop")."""
+    def send(self, cmd: Apply | Drop | State | Stop) -> None:
+        """A command to every shard."""
         assert self.outbox is not None
         for rank in self.ranks:
             self.outbox.send(cmd, rank)
@@ -99,21 +113,22 @@ class ShardFanout:
         """Copy every shard's block into rank 0's model (as of the latest update: a shard
         runs commands in order); returns the shards' optimizer states."""
         assert self.inbox is not None
-        self.send({"kind": "state"})
+        self.send(State())
         optimizers = []
         for s, rank in enumerate(self.ranks, 1):
-            kind, _, msg, _ = self.inbox.request(rank, self.timeout_s)
+            kind, _, obj, _ = self.inbox.request(rank, self.timeout_s)
             if kind == "lost":
-                raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {msg}")
-            copy_flat_into(self.blocks[s], msg["params"])
-            optimizers.append(msg["optimizer"])
+                raise WorkerLostError(f"parameter-server shard {s} (rank {rank}) was lost: {obj}")
+            msg = expect(obj, State)
+            copy_flat_into(self.blocks[s], present(msg.params, msg, "params"))
+            optimizers.append(present(msg.optimizer, msg, "optimizer"))
         return optimizers
 
     def stop(self, timeout_s: float) -> None:
         """Stop the shards (after the workers, which said bye to them too) and wait for their
         bye."""
         assert self.inbox is not None
-        self.send({"kind": "stop"})
+        self.send(Stop())
         for rank in self.ranks:
             self.inbox.expect(rank, timeout_s)
         while self.inbox.waiting:
@@ -126,7 +141,7 @@ class Shard:
     def __init__(self, n_workers: int, cfg: RunConfig, compressor: Compressor) -> None:
         self.cfg, self.compressor = cfg, compressor
         self.server: Server | None = None
-        self.commands: deque[dict[str, Any]] = deque()
+        self.commands: deque[Message] = deque()
         self.blocks: dict[int, deque[Tensor]] = {w: deque() for w in range(n_workers)}
         self.pulls: list[tuple[int, int]] = []
         self.dropped: set[int] = set()
@@ -152,11 +167,12 @@ class Shard:
                 continue  # rank 0 decides what a lost worker means (its "drop" command)
             if src == 0:
                 self.commands.append(msg)
-            elif src - 1 not in self.dropped and msg["kind"] != "bye":
-                if msg["kind"] == "push":
-                    self.blocks[src - 1].append(self.compressor.extract(msg["payload"]))
+            elif src - 1 not in self.dropped and not isinstance(msg, Bye):
+                if isinstance(msg, Push):
+                    payload = present(msg.payload, msg, "payload")
+                    self.blocks[src - 1].append(self.compressor.extract(payload))
                 else:
-                    self.pulls.append((src - 1, msg["version"]))
+                    self.pulls.append((src - 1, expect(msg, Pull).version))
             if not self._progress():
                 return
 
@@ -171,45 +187,46 @@ class Shard:
             if w in self.dropped:
                 continue
             if self.server is not None and self.version >= v:
-                self.outbox.send({"kind": "block", "params": self.server.params()}, w + 1)
+                self.outbox.send(Block(params=self.server.params()), w + 1)
             else:
                 waiting.append((w, v))
         self.pulls = waiting
         return True
 
-    def _ready(self, cmd: dict[str, Any]) -> bool:
-        if cmd["kind"] != "apply":
+    def _ready(self, cmd: Message) -> bool:
+        if not isinstance(cmd, Apply):
             return True
-        need = Counter(w for w, _ in cmd["items"])
+        need = Counter(w for w, _ in present(cmd.items, cmd, "items"))
         return all(len(self.blocks[w]) >= k for w, k in need.items())
 
-    def _execute(self, cmd: dict[str, Any]) -> bool:
-        kind = cmd["kind"]
-        if kind == "setup":
-            params = nn.ParameterList([nn.Parameter(t) for t in cmd["params"]])
-            self.server = Server(params, cmd["update"], self.cfg.optimizer, cmd["outer"])
-            if cmd["optimizer"] is not None:
-                self.server.optimizer.load_state_dict(cmd["optimizer"])
-            self.server.version = cmd["version"]
-        elif kind == "apply":
+    def _execute(self, cmd: Message) -> bool:
+        if isinstance(cmd, Setup):
+            params = nn.ParameterList([nn.Parameter(t) for t in present(cmd.params, cmd,
+                                                                          "params")])
+            self.server = Server(params, present(cmd.update, cmd, "update"),
+                                 self.cfg.optimizer, present(cmd.outer, cmd, "outer"))
+            if cmd.optimizer is not None:
+                self.server.optimizer.load_state_dict(cmd.optimizer)
+            self.server.version = present(cmd.version, cmd, "version")
+        elif isinstance(cmd, Apply):
             assert self.server is not None
-            follow_plateau(self.server, cmd)
+            follow_plateau(self.server, cmd.lr_factor)
             self.server.apply([(weight, self.blocks[w].popleft(), [])
-                               for w, weight in cmd["items"]])
-        elif kind == "drop":
-            w = cmd["worker"]
+                               for w, weight in present(cmd.items, cmd, "items")])
+        elif isinstance(cmd, Drop):
+            w = cmd.worker
             self.dropped.add(w)
             self.blocks[w].clear()
             self.outbox.forget(w + 1)
-        elif kind == "state":
+        elif isinstance(cmd, State):
             assert self.server is not None
-            send_obj({"kind": "state", "params": self.server.params(),
-                      "optimizer": self.server.optimizer.state_dict()}, 0)
-        elif kind == "stop":  # sent after every live worker said bye (to us too)
+            send_obj(State(params=self.server.params(),
+                           optimizer=self.server.optimizer.state_dict()), 0)
+        elif isinstance(cmd, Stop):  # sent after every live worker said bye (to us too)
             for src, t in enumerate(self.receivers):  # each ends at its sender's last message
                 if src - 1 not in self.dropped:
                     t.join(JOIN_S)
-            send_obj({"kind": "bye"}, 0)
+            send_obj(Bye(), 0)
             self.outbox.wait_all()
             return False
         return True

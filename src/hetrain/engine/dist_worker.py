@@ -22,7 +22,6 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +32,24 @@ from hetrain.config import RunConfig
 from hetrain.engine import devices
 from hetrain.engine.core import Replica, Server, TaskResult, float_buffers, follow_plateau
 from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.messages import (
+    Apply,
+    Block,
+    Bye,
+    Message,
+    Pull,
+    Push,
+    Ready,
+    Setup,
+    State,
+    Stop,
+    Task,
+    expect,
+    present,
+)
 from hetrain.engine.wire import Link, recv_obj, recv_obj_timed, send_obj, set_message_limit
 from hetrain.errors import ConfigError
+from hetrain.strategies.base import Update
 from hetrain.workloads import Workload
 
 
@@ -84,7 +99,7 @@ class Worker:
         self.tasks = 0
         self.last: TaskResult | None = None
 
-    def _recv(self) -> dict[str, Any]:
+    def _recv(self) -> Message:
         """Waiting for rank 0 is idle time; the arrival of the message (a pull on a slow
         link) is communication."""
         msg, nbytes, wait_s, transfer_s = recv_obj_timed(self.server_link)
@@ -93,11 +108,10 @@ class Worker:
         self._nbytes = nbytes
         return msg
 
-    def _send(self, msg: dict[str, Any]) -> int:
+    def _send(self, msg: Ready | Push | State | Bye) -> int:
         """Send to rank 0; the time the send takes counts as communication from the next
         message on (a message carries the times as of its sending)."""
-        msg["times"] = dict(self.times)
-        msg["overruns"] = self.throttle.overruns
+        msg = dataclasses.replace(msg, times=dict(self.times), overruns=self.throttle.overruns)
         t = time.perf_counter()
         nbytes = send_obj(msg, self.server_link)
         self.times["comm_s"] += time.perf_counter() - t
@@ -105,30 +119,34 @@ class Worker:
 
     def run(self) -> None:
         self.throttle = Throttle(None, None, 1.0)  # replaced below; _send reads its overruns
-        setup = self._recv()
-        if setup["kind"] == "stop":  # a joiner admitted as the run ended
-            self._send({"kind": "bye"})
+        first = self._recv()
+        if isinstance(first, Stop):  # a joiner admitted as the run ended
+            self._send(Bye())
             return
-        self.w = setup["worker"]
-        cluster, em = setup["cluster"], setup["emulation"]
-        self.comm = setup["comm"]
+        setup = expect(first, Setup)
+        self.w = present(setup.worker, setup, "worker")
+        cluster = present(setup.cluster, setup, "cluster")
+        em = present(setup.emulation, setup, "emulation")
+        self.comm = present(setup.comm, setup, "comm")
         try:
             self.device = self._device(cluster)
         except ConfigError as e:  # rank 0 reports it and stops the run
-            self._send({"kind": "ready", "error": str(e)})
-            while self._recv()["kind"] != "stop":
+            self._send(Ready(error=str(e)))
+            while not isinstance(self._recv(), Stop):
                 pass
-            self._send({"kind": "bye"})
+            self._send(Bye())
             return
         devices.use(self.device)
         emulate = em["mode"] != "none"
         self.throttle = Throttle(cluster.devices[self.w] if emulate else None,
                                  cluster.ps_link(self.w) if emulate else None,
-                                 setup["flops_per_sample"], em.get("time_scale", 1.0))
+                                 present(setup.flops_per_sample, setup, "flops_per_sample"),
+                                 em.get("time_scale", 1.0))
         self.cluster, self.emulate = cluster, emulate
-        self.update, self.comm = setup["update"], setup["comm"]
-        self.shard_ranks: list[int] = setup["shards"]["ranks"]
-        self.block_sizes: list[int] = setup["shards"]["sizes"]
+        self.update: Update = present(setup.update, setup, "update")
+        shards = present(setup.shards, setup, "shards")
+        self.shard_ranks: list[int] = shards["ranks"]
+        self.block_sizes: list[int] = shards["sizes"]
         self.feedbacks = [ErrorFeedback(self.compressor) for _ in self.block_sizes]
         torch.manual_seed(self.cfg.train.seed + self.rank)
         self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer, self.device,
@@ -137,31 +155,31 @@ class Worker:
         self.server: Server | None = None
         if self.comm == "allreduce":
             self.server = Server(self.wl.build_model(), self.update, self.cfg.optimizer,
-                                 setup["outer"])
-            self.server.model.load_state_dict(setup["state"]["model"])
-            if setup["state"]["version"] > 0:
-                self.server.optimizer.load_state_dict(setup["state"]["optimizer"])
-            self.server.version = setup["state"]["version"]
-        self._send({"kind": "ready", "device": str(self.device)})
+                                 present(setup.outer, setup, "outer"))
+            state = present(setup.state, setup, "state")
+            self.server.model.load_state_dict(state["model"])
+            if state["version"] > 0:
+                self.server.optimizer.load_state_dict(state["optimizer"])
+            self.server.version = state["version"]
+        self._send(Ready(device=str(self.device)))
         while True:
             msg = self._recv()
-            kind = msg["kind"]
-            if kind == "stop":
+            if isinstance(msg, Stop):
                 for rank in self.shard_ranks:  # ends the shard's receiver of my messages
-                    send_obj({"kind": "bye"}, rank)
-                self._send({"kind": "bye"})
+                    send_obj(Bye(), rank)
+                self._send(Bye())
                 self.replica.loader.close()  # its DataLoader workers, if any (num_workers > 0)
                 return
-            if kind == "task":
-                if "apply_weight" in msg:  # the last round's all-reduce rides with the task
-                    self._apply(msg["apply_weight"], msg)
+            if isinstance(msg, Task):
+                if msg.apply_weight is not None:  # the last round's all-reduce rides along
+                    self._apply(msg.apply_weight, msg.lr_factor)
                 self._task(msg)
-            elif kind == "apply":
-                self._apply(msg["weight"], msg)
-            elif kind == "state":
+            elif isinstance(msg, Apply):
+                self._apply(present(msg.weight, msg, "weight"), msg.lr_factor)
+            elif isinstance(msg, State):
                 assert self.server is not None
-                self._send({"kind": "state", "model": self.server.model.state_dict(),
-                            "optimizer": self.server.optimizer.state_dict()})
+                self._send(State(model=self.server.model.state_dict(),
+                                 optimizer=self.server.optimizer.state_dict()))
 
     def _device(self, cluster: Cluster) -> torch.device:
         """This worker's torch device (hetrain.engine.devices), from the configuration alone."""
@@ -176,9 +194,9 @@ class Worker:
             os._exit(17)
         time.sleep(3600)
 
-    def _task(self, msg: dict[str, Any]) -> None:
+    def _task(self, msg: Task) -> None:
         self._inject_fault()
-        task, batches = msg["task"], msg["batches"]
+        task, batches = msg.task, msg.batches
         pull_s = 0.0
         shard_bytes = [0, 0]  # sent to, received from the shards
         if self.comm == "ps":
@@ -191,7 +209,7 @@ class Worker:
                 params = torch.cat([fb.local_start(part) for fb, part in  # views suffice here
                                     zip(self.feedbacks, params.split(self.block_sizes),
                                         strict=True)])
-            self.replica.load(params, msg["buffers"])
+            self.replica.load(params, present(msg.buffers, msg, "buffers"))
         else:
             assert self.server is not None
             self.replica.load(self.server.params(), self.server.buffers())
@@ -199,26 +217,24 @@ class Worker:
             lambda: self.replica.run(task, self.update, batches), task.samples, task.local_steps)
         self.times["busy_s"] += compute_s
         self.tasks += 1
-        out: dict[str, Any] = {"kind": "push", "samples": result.samples, "steps": result.steps,
-                               "loss": result.loss, "compute_s": compute_s}
-        if result.probe is not None:  # plain floats on the wire
-            out["probe"] = dataclasses.astuple(result.probe)
+        out = Push(samples=result.samples, steps=result.steps, loss=result.loss,
+                   compute_s=compute_s,  # the probe as plain floats on the wire
+                   probe=dataclasses.astuple(result.probe) if result.probe is not None else None)
         if self.comm == "ps":
             payloads = [fb.compress(part) for fb, part in
                         zip(self.feedbacks, self._blocks(result.update), strict=True)]
             for rank, payload in zip(self.shard_ranks, payloads[1:], strict=True):
-                shard_bytes[0] += send_obj({"kind": "push", "payload": payload}, rank)
-            out["payload"], out["buffers"] = payloads[0], result.buffers
-            out["shard_bytes"] = tuple(shard_bytes)
+                shard_bytes[0] += send_obj(Push(payload=payload), rank)
             t = time.perf_counter()
             self.throttle.hold(sum(p.nbytes for p in payloads)
                                + 4 * sum(b.numel() for b in result.buffers))
             push_s = time.perf_counter() - t
             self.times["comm_s"] += push_s
-            out["comm_s"] = pull_s + push_s
+            out = dataclasses.replace(out, payload=payloads[0], buffers=result.buffers,
+                                      shard_bytes=tuple(shard_bytes), comm_s=pull_s + push_s)
         else:
             self.last = result
-            out["comm_s"] = 0.0
+            out = dataclasses.replace(out, comm_s=0.0)
         self._send(out)
 
     def _blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -227,25 +243,27 @@ class Worker:
             return [flat]
         return [part.clone() for part in flat.split(self.block_sizes)]
 
-    def _pull_blocks(self, msg: dict[str, Any], shard_bytes: list[int]) -> torch.Tensor:
+    def _pull_blocks(self, msg: Task, shard_bytes: list[int]) -> torch.Tensor:
         """The full parameters: block 0 from the task, the others from their shards (each
         answers once it has applied the updates rank 0 had made when it sent the task)."""
+        params = present(msg.params, msg, "params")
         if not self.shard_ranks:
-            return msg["params"]
+            return params
+        version = present(msg.version, msg, "version")
         for rank in self.shard_ranks:
-            shard_bytes[0] += send_obj({"kind": "pull", "version": msg["version"]}, rank)
-        blocks = [msg["params"]]
+            shard_bytes[0] += send_obj(Pull(version=version), rank)
+        blocks = [params]
         for rank in self.shard_ranks:
             reply, nbytes = recv_obj(rank)
-            blocks.append(reply["params"])
+            blocks.append(expect(reply, Block).params)
             shard_bytes[1] += nbytes
         return torch.cat(blocks)
 
-    def _apply(self, weight: float, msg: dict[str, Any]) -> None:
+    def _apply(self, weight: float, lr_factor: float | None) -> None:
         """All-reduce sum_i w_i [u_i, b_i, 1] over the workers; step my global copy (with
         rank 0's ReduceLROnPlateau factor when the message carries one)."""
         assert self.server is not None and self.last is not None
-        follow_plateau(self.server, msg)
+        follow_plateau(self.server, lr_factor)
         r = self.last
         bufs = torch.cat([b.reshape(-1) for b in r.buffers]) if r.buffers else torch.zeros(0)
         flat = torch.cat([weight * r.update, weight * bufs, torch.tensor([weight])])

@@ -132,9 +132,10 @@ class JoinDesk:
             except queue.Empty:
                 break
             if isinstance(item, Admitted):
+                from hetrain.engine.messages import Stop
                 from hetrain.engine.wire import send_obj
                 with contextlib.suppress(Exception):
-                    send_obj({"kind": "stop"}, item.link)
+                    send_obj(Stop(), item.link)
         for path in self.files:
             path.unlink(missing_ok=True)
 

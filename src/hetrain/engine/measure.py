@@ -41,6 +41,18 @@ from hetrain.engine import auth, devices
 from hetrain.engine import dist as dist_engine
 from hetrain.engine.core import flat_params
 from hetrain.engine.emulate import Throttle, sleep_until
+from hetrain.engine.messages import (
+    Echo,
+    Message,
+    Model,
+    Ping,
+    Setup,
+    Steps,
+    StepTimes,
+    Stop,
+    expect,
+    present,
+)
 from hetrain.engine.spawn import Spawner
 from hetrain.engine.wire import free_port, recv_obj, send_obj
 from hetrain.profile.fit import StepFit, fit_step_time, judge_fits, profile_batch_sizes, sources
@@ -85,25 +97,28 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
     wl = conn.recv()
     dist_engine.init_process_group(rv, cfg)
     try:
-        setup, _ = recv_obj(0)
-        w, cluster, em = setup["worker"], setup["cluster"], setup["emulation"]
+        setup = expect(recv_obj(0)[0], Setup)
+        w, cluster = present(setup.worker, setup, "worker"), present(setup.cluster, setup,
+                                                                     "cluster")
+        em = present(setup.emulation, setup, "emulation")
         on = em["mode"] != "none"
         th = Throttle(cluster.devices[w] if on else None, cluster.ps_link(w) if on else None,
-                      setup["flops_per_sample"], em["time_scale"])
+                      present(setup.flops_per_sample, setup, "flops_per_sample"),
+                      em["time_scale"])
         # rank 0 checked this layout (check_devices) before it started the workers
         device = devices.device_of(rv.rank, rv.layout, cfg.dist, cluster.devices)
         devices.use(device)
         while True:
             msg, nbytes = recv_obj(0)
-            if msg["kind"] == "stop":
+            if isinstance(msg, Stop):
                 return
-            if msg["kind"] == "steps":
-                times = _step_times_s(wl, th, msg["batch_sizes"], msg["steps"], device)
-                send_obj({"kind": "step_times", "times": times, "overruns": th.overruns}, 0)
+            if isinstance(msg, Steps):
+                times = _step_times_s(wl, th, msg.batch_sizes, msg.steps, device)
+                send_obj(StepTimes(times=times, overruns=th.overruns), 0)
             else:  # echo: hold the pull on my emulated link, hold my answer likewise
                 th.hold(nbytes)
-                reply = {"kind": "echo",
-                         "data": msg["data"] if msg["kind"] == "ping" else msg["answer"]}
+                reply = Echo(data=msg.data if isinstance(msg, Ping)
+                             else expect(msg, Model).answer)
                 th.hold(nbytes)
                 send_obj(reply, 0)
     finally:
@@ -111,7 +126,7 @@ def _worker(rv: dist_engine.Rendezvous, cfg: RunConfig, conn: Connection) -> Non
         dist.destroy_process_group()
 
 
-def _timed(msg: dict[str, Any], w: int) -> float:
+def _timed(msg: Message, w: int) -> float:
     t = time.perf_counter()
     send_obj(msg, w + 1)
     recv_obj(w + 1)
@@ -162,27 +177,26 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
     try:
         em = {"mode": cfg.dist.emulate, "time_scale": cfg.dist.time_scale}
         for w in range(n):
-            send_obj({"kind": "setup", "worker": w, "cluster": base, "flops_per_sample": fps,
-                      "emulation": em}, w + 1)
+            send_obj(Setup(worker=w, cluster=base, flops_per_sample=fps, emulation=em), w + 1)
         for w in range(n):
-            send_obj({"kind": "steps", "batch_sizes": list(sizes), "steps": steps}, w + 1)
-        replies = [recv_obj(w + 1)[0] for w in range(n)]
+            send_obj(Steps(batch_sizes=list(sizes), steps=steps), w + 1)
+        replies = [expect(recv_obj(w + 1)[0], StepTimes) for w in range(n)]
         # A probe of at least 4 MB, so bytes / bandwidth stands out of the latency noise.
         model = flat_params(wl.build_model())
         model = torch.zeros(max(model.numel(), 1 << 20))
         tiny = torch.zeros(1)
-        ping = [statistics.median(_timed({"kind": "ping", "data": tiny}, w)
+        ping = [statistics.median(_timed(Ping(data=tiny), w)
                                   for _ in range(probes)) for w in range(n)]
-        big = [statistics.median(_timed({"kind": "model", "data": model, "answer": model}, w)
+        big = [statistics.median(_timed(Model(data=model, answer=model), w)
                                  for _ in range(probes)) for w in range(n)]
         for w in range(n):
-            send_obj({"kind": "stop"}, w + 1)
+            send_obj(Stop(), w + 1)
     finally:
         dist.destroy_process_group()
         spawner.reap(30, stop="terminate")
-    fits = tuple(fit_step_time(sizes, r["times"]) for r in replies)
+    fits = tuple(fit_step_time(sizes, r.times) for r in replies)
     warning = judge_fits([d.name for d in base.devices], fits, fps, force=force)
-    at_b = [statistics.median(r["times"][sizes.index(b)]) for r in replies]
+    at_b = [statistics.median(r.times[sizes.index(b)]) for r in replies]
     nbytes = model.numel() * 4
     model_bytes = flat_params(wl.build_model()).numel() * 4
     devices, links = [], []
@@ -204,7 +218,8 @@ def measure(cfg: RunConfig, *, cluster: Cluster | None = None, workload: Workloa
                       model_bytes, model_bytes, "measured")
     return Measurement(profile, measured, fits,
                        sources(cfg.dist.emulate, cfg.dist.time_scale, base.name),
-                       tuple(int(r["overruns"]) for r in replies), steps * len(sizes),
+                       tuple(int(present(r.overruns, r, "overruns")) for r in replies),
+                       steps * len(sizes),
                        warning)
 
 
@@ -233,7 +248,7 @@ def _overhead_worker(rank: int, world: int, port: int, secret: str, cluster: Clu
     try:
         model = flat_params(wl.build_model())
         if rank == 0:
-            echo = [statistics.median(_timed({"kind": "ping", "data": model}, w)
+            echo = [statistics.median(_timed(Ping(data=model), w)
                                       for _ in range(probes)) for w in range(world - 1)]
             out.put(("ps", statistics.median(echo) / 2))
             return

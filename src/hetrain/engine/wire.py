@@ -1,9 +1,10 @@
 """Messages over torch.distributed point-to-point: framing, receive-from-any, free ports.
 
-A message is a dict of plain data and tensors (`hetrain.engine.messages` lists every kind),
-encoded by `hetrain.engine.codec` into one uint8 tensor: a JSON header and the tensors' raw
-bytes. Nothing received is unpickled; the length a peer announces is bounded before anything
-is allocated, and what it decodes to is vetted against the message schema. gloo moves only
+A message is one of `hetrain.engine.messages`' dataclasses; on the wire it is the dict of
+plain data and tensors `messages.to_wire` makes, encoded by `hetrain.engine.codec` into one
+uint8 tensor: a JSON header and the tensors' raw bytes. Nothing received is unpickled; the
+length a peer announces is bounded before anything is allocated, and what it decodes to is
+vetted against the message's dataclass (`messages.from_wire`). gloo moves only
 tensors of a size both ends know, so a message goes as two sends: an int64 length, then the
 bytes. The header is a few hundred bytes, so `nbytes` of a message is within ~1% of the
 tensor bytes it carries for anything but tiny ones.
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hetrain.engine import codec, messages
+from hetrain.engine.messages import Bye, Message, Stop
 from hetrain.engine.signals import StopSignal
 from hetrain.errors import ConfigError
 
@@ -48,15 +50,15 @@ def set_message_limit(model_bytes: int) -> None:
     _limit = min(MAX_MESSAGE_BYTES, 4 * model_bytes + (256 << 20))
 
 
-def encode(obj: Any) -> torch.Tensor:
+def encode(msg: Message) -> torch.Tensor:
     """A message as one uint8 tensor (`codec.pack`: 0.2 ms each way for a 55 kB model
     message, faster to decode than pickle)."""
-    return codec.pack(obj)
+    return codec.pack(messages.to_wire(msg))
 
 
-def decode(data: torch.Tensor) -> Any:
+def decode(data: torch.Tensor) -> Message:
     """Decode and vet a received message; CodecError or MessageError if it is malformed."""
-    return messages.check(codec.unpack(data))
+    return messages.from_wire(codec.unpack(data))
 
 
 class RawGroup(Protocol):
@@ -104,7 +106,7 @@ def as_link(peer: Peer, group: dist.ProcessGroup | None = None) -> Link:
     return peer if isinstance(peer, Link) else Link(peer, group)
 
 
-def send_obj(obj: Any, dst: Peer, group: dist.ProcessGroup | None = None) -> int:
+def send_obj(obj: Message, dst: Peer, group: dist.ProcessGroup | None = None) -> int:
     """Blocking send of a message; returns the bytes that crossed the wire."""
     link = as_link(dst, group)
     data = encode(obj)
@@ -123,7 +125,7 @@ class Outbox:
         self._pending: dict[int, list[Any]] = {}
         self.links = links if links is not None else {}
 
-    def send(self, obj: Any, dst: int) -> int:
+    def send(self, obj: Message, dst: int) -> int:
         self.wait(dst)
         link = self.links.get(dst) or Link(dst)
         data = encode(obj)
@@ -151,7 +153,7 @@ class MalformedMessage(ValueError):
     """A peer sent something that is not a valid message (its length, encoding or schema)."""
 
 
-def recv_body(length: int, src: Peer, group: dist.ProcessGroup | None = None) -> Any:
+def recv_body(length: int, src: Peer, group: dist.ProcessGroup | None = None) -> Message:
     link = as_link(src, group)
     if not 0 < length <= _limit:
         raise MalformedMessage(f"rank {link.peer} announced a message of {length} bytes (the "
@@ -164,14 +166,14 @@ def recv_body(length: int, src: Peer, group: dist.ProcessGroup | None = None) ->
         raise MalformedMessage(f"rank {link.peer} sent a malformed message: {e}") from None
 
 
-def recv_obj(src: Peer, group: dist.ProcessGroup | None = None) -> tuple[Any, int]:
+def recv_obj(src: Peer, group: dist.ProcessGroup | None = None) -> tuple[Message, int]:
     """Blocking receive of one message from `src`: (object, bytes)."""
     obj, nbytes, _, _ = recv_obj_timed(src, group)
     return obj, nbytes
 
 
 def recv_obj_timed(src: Peer, group: dist.ProcessGroup | None = None
-                   ) -> tuple[Any, int, float, float]:
+                   ) -> tuple[Message, int, float, float]:
     """`recv_obj`, also timing the wait for the message to start (its 8-byte length) apart
     from the transfer of its body: on a slow link the second is communication, not idling."""
     link = as_link(src, group)
@@ -203,7 +205,7 @@ def pump(src: int, q: Any, link: Link | None = None, tag: Any = None) -> None:
                    *extra))
             return
         q.put(("msg", src, obj, n, *extra))
-        if isinstance(obj, dict) and obj.get("kind") in ("bye", "stop"):
+        if isinstance(obj, (Bye, Stop)):
             return
 
 
