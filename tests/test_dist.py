@@ -124,6 +124,19 @@ def test_killed_worker_does_not_lose_async_run(tmp_path, mnist1d_cnn_small) -> N
     assert r.summary["unsent_samples"] == 32
 
 
+def test_worker_sending_an_incomplete_push_is_dropped_and_the_run_goes_on(
+        tmp_path, mnist1d_cnn_small, caplog) -> None:
+    """A well-encoded push without samples, steps or times (a buggy or hostile worker that
+    knows the secret) stops that worker, not rank 0."""
+    r = run_distributed(make_cfg("test_async"), run_dir=tmp_path / "a", strategy=AsyncSGD(),
+                        faults=fail_at(rank=1, task=3, kind="malformed"),
+                        workload=mnist1d_cnn_small)
+    assert r.summary["lost_workers"] == [0]
+    assert r.summary["workers"][0]["pushes"] == 3
+    assert r.summary["epochs"] >= 0.1 - 1e-9  # the other worker finished the run
+    assert "rank 1 sent a malformed message: 'push' message lacks ['samples']" in caplog.text
+
+
 def test_synchronous_run_stops_with_checkpoint_and_resumes_to_same_model(
         tmp_path, mnist1d_cnn_small) -> None:
     wl = mnist1d_cnn_small

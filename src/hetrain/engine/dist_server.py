@@ -222,9 +222,11 @@ class Coordinator:
         self.inbox.expect(w + 1, self.cfg.dist.worker_timeout_s)
 
     def _on_push(self, w: int, obj: Message, nbytes: int) -> None:
-        self.busy.discard(w)
-        self._take_times(w, obj)
         msg = messages.expect(obj, messages.Push)
+        for name in ("samples", "steps", "loss", "compute_s", "comm_s", "times"):
+            present(getattr(msg, name), msg, name)  # before anything changes: a MessageError
+        self.busy.discard(w)                        # drops this worker (see the loop above)
+        self._take_times(w, obj)
         item = self.protocol.push_item(w, msg, nbytes)
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
@@ -402,10 +404,14 @@ class Coordinator:
             self._check_source(src, kind, obj)
             if kind == "lost":
                 self._on_lost(src - 1, obj)
-            elif src - 1 in self.joining:
-                self._on_ready(src - 1, obj)
             else:
-                self._on_push(src - 1, obj, nbytes)
+                try:
+                    if src - 1 in self.joining:
+                        self._on_ready(src - 1, obj)
+                    else:
+                        self._on_push(src - 1, obj, nbytes)
+                except messages.MessageError as e:  # well encoded, but not what it must carry
+                    self._on_lost(src - 1, f"rank {src} sent a malformed message: {e}")
 
     def _finish(self) -> RunResult:
         end_s = self.clock()

@@ -55,14 +55,16 @@ from hetrain.workloads import Workload
 
 @dataclass
 class Fault:
-    """Fault injection for tests: before its `task`-th task (0-based) the worker exits or hangs."""
+    """Fault injection for tests: before its `task`-th task (0-based) the worker exits, hangs,
+    or sends rank 0 a well-encoded push that lacks what a push must carry, then hangs."""
 
     task: int
     kind: str = "exit"
 
     def __post_init__(self) -> None:
-        if self.kind not in ("exit", "hang"):
-            raise ValueError(f"fault kind must be 'exit' or 'hang', got {self.kind!r}")
+        if self.kind not in ("exit", "hang", "malformed"):
+            raise ValueError(f"fault kind must be 'exit', 'hang' or 'malformed', got "
+                             f"{self.kind!r}")
 
 
 @dataclass
@@ -192,6 +194,8 @@ class Worker:
             return
         if self.fault.kind == "exit":
             os._exit(17)
+        if self.fault.kind == "malformed":
+            self._send(Push(loss=1.0))  # no samples, steps, compute or comm times
         time.sleep(3600)
 
     def _task(self, msg: Task) -> None:
