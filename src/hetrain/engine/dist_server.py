@@ -223,19 +223,18 @@ class Coordinator:
 
     def _on_push(self, w: int, obj: Message, nbytes: int) -> None:
         msg = messages.expect(obj, messages.Push)
-        for name in ("samples", "steps", "loss", "compute_s", "comm_s", "times"):
-            present(getattr(msg, name), msg, name)  # before anything changes: a MessageError
-        self.busy.discard(w)                        # drops this worker (see the loop above)
+        # read before anything changes: a MessageError drops this worker (see the loop above)
+        samples, steps = present(msg.samples, msg, "samples"), present(msg.steps, msg, "steps")
+        loss, compute_s = present(msg.loss, msg, "loss"), present(msg.compute_s, msg, "compute_s")
+        comm_s, _ = present(msg.comm_s, msg, "comm_s"), present(msg.times, msg, "times")
+        self.busy.discard(w)
         self._take_times(w, obj)
         item = self.protocol.push_item(w, msg, nbytes)
         # Strategies plan on the Cluster's clock: an emulated run is `time_scale` times faster.
         k = 1.0 / self.model_time_scale
         decision = self.loop.on_push(Push(
-            worker=w, base_version=self.base_version[w],
-            samples=present(msg.samples, msg, "samples"),
-            steps=present(msg.steps, msg, "steps"), loss=present(msg.loss, msg, "loss"),
-            compute_s=k * present(msg.compute_s, msg, "compute_s"),
-            comm_s=k * present(msg.comm_s, msg, "comm_s"), arrival_s=k * self.clock(),
+            worker=w, base_version=self.base_version[w], samples=samples, steps=steps,
+            loss=loss, compute_s=k * compute_s, comm_s=k * comm_s, arrival_s=k * self.clock(),
             probe=GradProbe(*msg.probe) if msg.probe is not None else None), item)
         self.loop.decide(decision)
 
