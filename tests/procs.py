@@ -169,3 +169,20 @@ def wait_rows(run_dir: Path, rows: int, proc: subprocess.Popen, timeout_s: float
             raise AssertionError(f"the run ended early: {proc.communicate()}")
         time.sleep(0.05)
     raise AssertionError(f"no {rows} evaluations within {timeout_s} s")
+
+
+
+def first_report(out, procs: list, timeout_s: float) -> tuple[object, list[int | None]]:
+    """Start `procs`, return the first thing any puts on the queue `out` and their exit codes,
+    and always end them (join, then kill)."""
+    for p in procs:
+        p.start()
+    try:
+        report = out.get(timeout=timeout_s)
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return report, [p.exitcode for p in procs]

@@ -18,6 +18,7 @@ from hetrain.config import config_from_dict
 from hetrain.engine import auth
 from hetrain.engine.dist import Rendezvous, bind_listener, rendezvous_store, run_rank
 from hetrain.errors import ConfigError
+from procs import first_report
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -80,16 +81,7 @@ def test_rogue_rank_with_wrong_secret_is_refused_and_nothing_runs(tmp_path: Path
     procs = [ctx.Process(target=_rank0, args=(port, secret, out)),
              ctx.Process(target=_worker, args=(port, secret)),
              ctx.Process(target=_rogue, args=(port, marker))]
-    for p in procs:
-        p.start()
-    try:
-        verdict = out.get(timeout=150)
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    verdict, _ = first_report(out, procs, 150)
     assert verdict.startswith("refused: rank 2 did not prove this run's secret"), verdict
     assert not Path(marker).exists()
 

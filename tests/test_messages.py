@@ -17,6 +17,7 @@ from hetrain.compress import make_compressor
 from hetrain.engine import codec, messages, wire
 from hetrain.engine.messages import MessageError, from_wire, to_wire
 from hetrain.strategies.base import OuterOptimizer, WorkTask
+from procs import first_report
 
 _times = {"busy_s": 1.5, "comm_s": 0.25, "idle_s": 0.0, "bytes_sent": 10, "bytes_received": 20}
 
@@ -209,17 +210,8 @@ def test_a_peer_that_sends_an_ill_typed_message_is_reported_lost_with_why() -> N
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_pair_rank, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        events = out.get(timeout=90)
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    events, exitcodes = first_report(out, procs, 90)
     assert events == [("msg", 1, "ping"),
                       ("lost", 1, "rank 1 sent a malformed message: 'push' message: samples "
                                   "is a bool")], events
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert exitcodes == [0, 0]
