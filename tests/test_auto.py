@@ -4,6 +4,7 @@ training on the simulator."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ from hetrain.engine.setup import prepare
 from hetrain.engine.sim import Simulator
 from hetrain.errors import ConfigError
 from hetrain.plan.noise import GradProbe
-from hetrain.strategies import Push, RunContext, make_strategy
+from hetrain.strategies import Decision, Push, RunContext, make_strategy
 
 
 def _ctx(cluster: Cluster, batch_size: int = 32, train_samples: int = 16_000) -> RunContext:
@@ -38,16 +39,19 @@ def _probe(noise: float, batch: int = 16, grad_sq: float = 1.0) -> GradProbe:
     return GradProbe(grad_sq + trace / (batch / 2), batch / 2, grad_sq + trace / batch, batch)
 
 
-def _run_rounds(s, rounds: int, noise: float) -> None:
+def _run_rounds(s, rounds: int, noise: float, loss: float = 1.0) -> Decision:
+    """`rounds` rounds of every member pushing `loss`; the last round's closing decision."""
+    decision = Decision()
     for _ in range(rounds):
         members = sorted(s._members)
         for w in members:
             task = s.next_task(w)
-            s.on_push(Push(worker=w, base_version=0, samples=task.samples,
-                           steps=task.local_steps, loss=1.0,
-                           compute_s=task.samples * 1e6 / s.context.cluster.devices[w].flops
-                           + task.local_steps * 2e-3,
-                           comm_s=0.001, arrival_s=0.0, probe=_probe(noise, task.batch_size)))
+            decision = s.on_push(Push(
+                worker=w, base_version=0, samples=task.samples, steps=task.local_steps,
+                loss=loss, compute_s=task.samples * 1e6 / s.context.cluster.devices[w].flops
+                + task.local_steps * 2e-3,
+                comm_s=0.001, arrival_s=0.0, probe=_probe(noise, task.batch_size)))
+    return decision
 
 
 def test_setup_plans_a_small_batch_on_the_devices_worth_their_links() -> None:
@@ -80,6 +84,8 @@ def test_the_noise_scale_grows_the_batch_gradually_and_without_flapping() -> Non
     gs = [g for _, g, _ in s.switches]
     assert gs[0] == g0 and gs[-1] > g0
     assert all(b <= 2 * a for a, b in itertools.pairwise(gs))   # at most x2 per switch
+    rounds = [g * h for _, g, h in s.switches]                   # and so do the rounds
+    assert all(b <= 2 * a for a, b in itertools.pairwise(rounds))
     assert gs == sorted(gs)                                              # no flapping back
     assert s.lr_scale <= s.max_lr_scale
     assert s.noise.noise_scale == pytest.approx(4000.0, rel=1e-6)
@@ -87,6 +93,27 @@ def test_the_noise_scale_grows_the_batch_gradually_and_without_flapping() -> Non
     n = len(s.switches)
     _run_rounds(s, 200, noise=4000.0)
     assert len(s.switches) <= n + 1
+
+
+@pytest.mark.parametrize("blow_up", [math.nan, math.inf, 4.5])
+def test_a_blown_up_round_is_discarded_and_the_plan_backs_off(blow_up: float) -> None:
+    """A round whose loss is not finite, or over divergence_factor (4) x the first round's
+    (1.0 here), is applied with weight 0; the plan goes back to the one before, every member
+    starts afresh, and no round that large is planned again."""
+    s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1)
+    s.setup(_ctx(preset("hetero-4")))
+    _run_rounds(s, 400, noise=4000.0)
+    assert len(s.switches) >= 2
+    before, failed = s.switches[-2][1:], s.switches[-1][1:]
+    assert _run_rounds(s, 1, noise=4000.0, loss=3.9).apply[0][1] > 0   # under 4x: applied
+    decision = _run_rounds(s, 1, noise=4000.0, loss=blow_up)
+    assert decision.apply and all(w == 0.0 for _, w in decision.apply)
+    assert s.switches[-1][1:] == before and s.stats()["discarded_rounds"] == 1
+    assert all(s.next_task(w).reset_optimizer for w in sorted(s._members))
+    backed_off = len(s.switches)
+    _run_rounds(s, 400, noise=4000.0)
+    assert all(g * h < failed[0] * failed[1] for _, g, h in s.switches[backed_off - 1:])
+    assert s.stats()["discarded_rounds"] == 1
 
 
 def test_the_logged_lr_scale_is_the_one_tasks_run_with() -> None:

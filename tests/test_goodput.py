@@ -37,15 +37,18 @@ def _cluster(speeds: list[float], site_of: list[int], wan_latency_s: float, wan_
                    ps_nic=Link(3e9, 1e-5) if nic else None)
 
 
-def _brute_force(cluster: Cluster, stat: StatModel, batches, steps) -> float:
-    """Every PS site, G, H and subset of devices; shares by the exact allocator on the subset;
-    a subset counts only if every member gets a share and, with H > 1 on several devices,
-    at least the floor per step."""
+def _brute_force(cluster: Cluster, stat: StatModel, batches, steps,
+                 max_round: float = math.inf) -> float:
+    """Every PS site, G, H (G x H at most `max_round`, or the smallest of each) and subset of
+    devices; shares by the exact allocator on the subset; a subset counts only if every
+    member gets a share and, with H > 1 on several devices, at least the floor per step."""
     best = 0.0
     for site in cluster.sites:
         costs = cluster_costs(cluster, site.name, FPS, MODEL_BYTES)
         fixed_base = np.asarray(costs.comm_s)
         for g, h in itertools.product(batches, steps):
+            if g * h > max_round and (g, h) != (min(batches), min(steps)):
+                continue
             for k in range(1, cluster.n + 1):
                 for subset in itertools.combinations(range(cluster.n), k):
                     per = np.full(cluster.n, np.inf)
@@ -70,13 +73,14 @@ cluster_specs = st.tuples(
     st.sampled_from([4.0, 32.0, 256.0]),
     st.sampled_from([1, 4]),
     st.booleans(),
+    st.sampled_from([math.inf, 100.0, 40.0, 1.0]),
 )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster_specs)
 def test_the_chosen_plan_is_at_least_every_enumerated_plan(spec) -> None:
-    speeds, seed, latency, bandwidth, noise, floor, nic = spec
+    speeds, seed, latency, bandwidth, noise, floor, nic, max_round = spec
     rng = np.random.default_rng(seed)
     site_of = [int(x) for x in rng.integers(0, 2, size=len(speeds))]
     site_of[0] = 0
@@ -84,8 +88,10 @@ def test_the_chosen_plan_is_at_least_every_enumerated_plan(spec) -> None:
     stat = StatModel(noise, 32, 0.5, floor, 2.0)
     batches, steps = batch_grid(8, 96), (1, 2, 4)
     costs = [cluster_costs(cluster, s.name, FPS, MODEL_BYTES) for s in cluster.sites]
-    plan = search(costs, stat, batches, steps)
-    assert plan.goodput >= _brute_force(cluster, stat, batches, steps) * (1 - 1e-9)
+    plan = search(costs, stat, batches, steps, max_round_samples=max_round)
+    assert plan.goodput >= _brute_force(cluster, stat, batches, steps, max_round) * (1 - 1e-9)
+    assert (plan.global_batch * plan.local_steps <= max_round
+            or (plan.global_batch, plan.local_steps) == (8, 1))
 
 
 def test_lone_device_when_the_links_cost_more_than_the_others_add() -> None:

@@ -354,8 +354,11 @@ LOCAL_STEPS = (1, 2, 4, 8, 16, 32)
 
 
 def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
-           local_steps: Sequence[int] = LOCAL_STEPS) -> GoodputPlan:
-    """The plan of highest predicted goodput over the PS placements, G grid and H grid.
+           local_steps: Sequence[int] = LOCAL_STEPS,
+           max_round_samples: float = math.inf) -> GoodputPlan:
+    """The plan of highest predicted goodput over the PS placements, G grid and H grid, with
+    at most `max_round_samples` samples per round (G x H; the smallest G with the smallest H
+    is always tried, so there is a plan).
 
     Ties go to the earlier placement, the smaller G, then the smaller H (so a plan is the same
     however the devices are listed). On clusters over EXACT_UP_TO devices, every candidate is
@@ -366,6 +369,8 @@ def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
     for c in costs:
         for g in batches:
             for h in local_steps:
+                if g * h > max_round_samples and (g, h) != (min(batches), min(local_steps)):
+                    continue
                 plan = best_for(c, stat, g, h, prune=not large)
                 if plan is not None:
                     found.append((plan, c))

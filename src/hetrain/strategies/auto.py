@@ -88,8 +88,15 @@ class Auto(CADP):
     min_probes: Annotated[int, integer(0)] = 20
     """Plan with the prior until this many probes have been averaged."""
     max_batch_growth: Annotated[float, Limit(1, math.inf)] = 2.0
-    """A re-plan changes G by at most this factor either way (Pollux/AdaScale ramp the batch;
-    a sudden jump meets replicas whose momentum was built at the old batch)."""
+    """A re-plan changes G, and grows the samples of a round (G x H), by at most this factor
+    (Pollux/AdaScale ramp the batch; a sudden jump meets replicas whose momentum was built at
+    the old batch: G48xH1 -> G96xH16 in one switch sent geo-16 seed 4 to NaN)."""
+    divergence_factor: Annotated[float, Limit(1, math.inf)] = 4.0
+    """A round whose members' mean training loss is not finite, or above this many times the
+    first round's (an untrained model's), is discarded (applied with weight 0, the members'
+    optimizers reset), and the plan goes back to the one before the last switch, with no
+    round that large tried again. Not relative to recent rounds: a round of 8 samples at 95%
+    accuracy can hold one confidently wrong sample and average 4x the recent loss."""
     max_lr_scale: Annotated[float, Limit(1, math.inf)] = 2.0
     """Cap of the AdaScale lr gain: the base lr is taken as tuned close to its stable maximum
     at train.batch_size (lone-device sweeps diverge at 2-4x of it), and the planner prices
@@ -139,6 +146,10 @@ class Auto(CADP):
         self._measured_member_s: float | None = None
         self._member_rounds = 0                    # rounds folded into the measured cost
         self._checked_member_s = self._model_costs.member_s  # the cost the last check used
+        self._first_loss: float | None = None
+        self._round_cap = math.inf        # samples per round (G x H) no plan may exceed
+        self._diverged = False            # the round being closed blew up
+        self.discarded_rounds = 0
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
         super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
 
@@ -225,6 +236,8 @@ class Auto(CADP):
         cost_grew = self.plan is not None and self._member_cost_grew(costs)
         if self.plan is None:                       # setup: the searched plan
             self._adopt(current)
+        elif self._diverged:
+            self._back_off(costs, stat)
         elif scheduled or cost_grew or not np.isfinite(
                 [costs.per_sample_s[j] for j in current.active]).all():
             if scheduled:
@@ -233,7 +246,8 @@ class Auto(CADP):
             now = best_for(costs, stat, current.global_batch, current.local_steps)
             g, k = current.global_batch, self.max_batch_growth
             grid = [b for b in self._grid if g / k <= b <= g * k]
-            best = search([costs], stat, grid, self._steps_grid)
+            most = min(self._round_cap, k * g * current.local_steps)
+            best = search([costs], stat, grid, self._steps_grid, max_round_samples=most)
             better = now is None or best.goodput > now.goodput * (1 + self.hysteresis)
             candidate = (best.global_batch, best.local_steps) if better else None
             # the same better plan at two checks in a row (the noise estimate is noisy), or
@@ -256,6 +270,55 @@ class Auto(CADP):
         self._record_shares()
         # a device that sits out this plan starts afresh (reset_optimizer) when it rejoins
         self._trained &= {j for j, x in enumerate(plan.shares) if x > 0}
+
+    def _back_off(self, costs: Costs, stat: StatModel) -> None:
+        """After a discarded round: the plan before the last switch (or, at the first plan,
+        the smallest G with H = 1), and no round as large as the failed one from now on."""
+        failed = self.goodput_plan
+        assert failed is not None
+        self._round_cap = min(self._round_cap,
+                              failed.global_batch * failed.local_steps / self.max_batch_growth)
+        self._trained.clear()                 # every member starts with a fresh optimizer
+        self._candidate = None
+        if len(self.switches) > 1:
+            g, h = self.switches[-2][1:]
+        else:
+            g, h = self._grid[0], self._steps_grid[0]
+        plan = None
+        if g * h <= self._round_cap:
+            plan = best_for(costs, stat, g, h)
+        if plan is None:
+            plan = search([costs], stat, self._grid, self._steps_grid,
+                          max_round_samples=self._round_cap)
+        self._adopt(plan)
+
+    def _round_blew_up(self) -> bool:
+        """The guard of `divergence_factor`, on the round being closed (cadp's pending
+        pushes)."""
+        pushes = list(self._pending.values())
+        samples = sum(p.samples for p in pushes)
+        if not samples:
+            return False
+        loss = sum(p.loss * p.samples for p in pushes) / samples
+        if not math.isfinite(loss):
+            return True
+        if self._first_loss is None:
+            self._first_loss = loss
+        return loss > self.divergence_factor * self._first_loss
+
+    def _close_round(self) -> Decision:
+        """cadp's, with the divergence guard: a blown-up round is applied with weight 0 (the
+        model stays as it was) and the plan backs off first, so the next round runs on it."""
+        if len(self._pending) < len(self._members):
+            return Decision()
+        if not self._round_blew_up():
+            return super()._close_round()
+        self._diverged = True
+        self._replan()                       # backs off (cadp may re-plan again: quietly)
+        self._diverged = False
+        self.discarded_rounds += 1
+        decision = super()._close_round()
+        return replace(decision, apply=tuple((j, 0.0) for j, _ in decision.apply))
 
     def _adopt_quietly(self, plan: GoodputPlan) -> None:
         """Same G and H with re-allocated shares (measured speeds): not a switch."""
@@ -314,5 +377,6 @@ class Auto(CADP):
                     "predicted_samples_per_s": plan.samples_per_s,
                     "predicted_efficiency": plan.efficiency,
                     "active_devices": len(plan.active),
+                    "discarded_rounds": self.discarded_rounds,
                     "measured_member_s": self._measured_member_s or 0.0})
         return out
