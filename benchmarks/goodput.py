@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/goodput.py [--workload mnist1d-cnn|text-gpt]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--select-seeds 0 1 2]
         [--report-seeds 3 4 5] [--epochs E] [--jobs 2] [--from-json RESULTS.json]
-        [--widen-json RESULTS.json]
+        [--widen-json RESULTS.json] [--rerun-auto RESULTS.json]
 
 On the simulator (virtual clock, real gradients), every run evaluated every 0.5 virtual
 seconds (the same time granularity for a lone device and a cluster). Workloads: the MNIST-1D
@@ -32,7 +32,10 @@ chose for it, as the model assumes of every batch).
 Writes benchmarks/results/<--out, default goodput or goodput_gpt>.{json,md}; --from-json
 re-summarises a saved results file without running anything; --widen-json widens the lone
 grid of a saved results file (runs only what it lacks: the simulator is deterministic for a
-seed, so the saved runs are what a fresh run would give).
+seed, so the saved runs are what a fresh run would give); --rerun-auto re-runs every auto
+run of a saved results file and keeps its lone and DDP runs, after checking that one lone
+selection run and one DDP run of the file reproduce exactly with today's code (for a change
+to auto alone: the others' runs would be the same).
 """
 
 from __future__ import annotations
@@ -232,13 +235,15 @@ def main() -> None:
     ap.add_argument("--from-json", default="", help="re-summarise this results file")
     ap.add_argument("--widen-json", default="",
                     help="widen the lone grid of this results file (runs only what it lacks)")
+    ap.add_argument("--rerun-auto", default="",
+                    help="re-run the auto runs of this results file, keep the others")
     args = ap.parse_args()
-    if args.widen_json:
-        saved = json.loads(Path(args.widen_json).read_text())
+    if args.widen_json or args.rerun_auto:
+        saved = json.loads(Path(args.widen_json or args.rerun_auto).read_text())
         for key in ("workload", "clusters", "select_seeds", "report_seeds"):
             setattr(args, key.replace("-", "_"), saved[key])
         args.epochs = saved["epochs"]
-        data = run_all(args, saved)
+        data = run_all(args, saved) if args.widen_json else rerun_auto(args, saved)
     elif args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         data.setdefault("workload", "mnist1d-cnn")
@@ -331,6 +336,27 @@ def check_reproduces(args: argparse.Namespace, pool: ProcessPoolExecutor,
         sys.exit("goodput: the saved runs do not reproduce with this code; run afresh "
                  "(without --widen-json)")
     print("the saved runs reproduce (one selection run and one auto run re-run)", flush=True)
+
+
+def rerun_auto(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with every auto run made afresh (see the module docstring)."""
+    sel = saved["selection"][0]
+    ddp = next(r for r in saved["runs"] if r["system"] == "ddp")
+    old_auto = [r for r in saved["runs"] if r["system"] == "auto"]
+    checks = [make_job(args, "lone", sel["cluster"], sel["seed"], sel["batch"], sel["lr"],
+                       select=True), make_job(args, "ddp", ddp["cluster"], ddp["seed"])]
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        fresh_sel, fresh_ddp = pool.map(run_job, checks)
+        if selection_record(fresh_sel)["tta_s"] != {k: float(v) for k, v in sel["tta_s"].items()} \
+                or fresh_ddp["rows"] != ddp["rows"]:
+            sys.exit("goodput: the saved lone and DDP runs do not reproduce with this code; "
+                     "run afresh (without --rerun-auto)")
+        print("the saved lone and DDP runs reproduce (one of each re-run)", flush=True)
+        autos = list(pool.map(run_job, [make_job(args, "auto", r["cluster"], r["seed"])
+                                        for r in old_auto]))
+    runs = [r for r in saved["runs"] if r["system"] != "auto"] + autos
+    command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+    return {**saved, "runs": runs, "auto_rerun": command}
 
 
 def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -444,6 +470,8 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [f"# auto vs the tuned fastest device alone and DDP (simulated, {data['workload']})\n",
              f"Command: `{data['command']}`"
              + (f", lone grid widened by `{data['widened']}`" if "widened" in data else "")
+             + (f", auto runs made afresh by `{data['auto_rerun']}` (the lone and DDP runs "
+                "checked to reproduce)" if "auto_rerun" in data else "")
              + (f" (re-summarised: `{data['resummarised']}`)" if "resummarised" in data else "")
              + "\n",
              f"Held-out seeds {data['report_seeds']} (the lone device tuned on "
