@@ -356,9 +356,9 @@ LOCAL_STEPS = (1, 2, 4, 8, 16, 32)
 def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
            local_steps: Sequence[int] = LOCAL_STEPS,
            max_round_samples: float = math.inf) -> GoodputPlan:
-    """The plan of highest predicted goodput over the PS placements, G grid and H grid, with
-    at most `max_round_samples` samples per round (G x H; the smallest G with the smallest H
-    is always tried, so there is a plan).
+    """The plan of highest predicted goodput over the PS placements, G grid and H grid; a
+    round of more than `max_round_samples` samples (G x H) only on one device alone (the
+    smallest G with the smallest H on any devices, so there is always a plan).
 
     Ties go to the earlier placement, the smaller G, then the smaller H (so a plan is the same
     however the devices are listed). On clusters over EXACT_UP_TO devices, every candidate is
@@ -369,9 +369,10 @@ def search(costs: Sequence[Costs], stat: StatModel, batches: Sequence[int],
     for c in costs:
         for g in batches:
             for h in local_steps:
-                if g * h > max_round_samples and (g, h) != (min(batches), min(local_steps)):
-                    continue
-                plan = best_for(c, stat, g, h, prune=not large)
+                if g * h <= max_round_samples or (g, h) == (min(batches), min(local_steps)):
+                    plan = best_for(c, stat, g, h, prune=not large)
+                else:   # one device alone: its H steps are plain steps, only fewer messages
+                    plan = best_alone(c, stat, g, h)
                 if plan is not None:
                     found.append((plan, c))
     if not found:

@@ -99,9 +99,11 @@ class Auto(CADP):
     min_probes: Annotated[int, integer(0)] = 20
     """Plan with the prior until this many probes have been averaged."""
     max_batch_growth: Annotated[float, Limit(1, math.inf)] = 2.0
-    """A re-plan changes G, and grows the samples of a round (G x H), by at most this factor
-    (Pollux/AdaScale ramp the batch; a sudden jump meets replicas whose momentum was built at
-    the old batch: G48xH1 -> G96xH16 in one switch sent geo-16 seed 4 to NaN)."""
+    """A re-plan changes G, and grows the samples of a round (G x H) on several devices, by at
+    most this factor (Pollux/AdaScale ramp the batch; a sudden jump meets replicas whose
+    momentum was built at the old batch: G48xH1 -> G96xH16 in one switch sent geo-16 seed 4
+    to NaN). One device alone may take any H at once: its local steps are plain steps, and
+    ramping H 1, 2, 4, 8 cost real_hetero4 a tenth of an epoch of PS round trips."""
     divergence_factor: Annotated[float, Limit(1, math.inf)] = 4.0
     """A round whose members' mean training loss is not finite, or above this many times the
     first round's (an untrained model's), is discarded (applied with weight 0, the members'
@@ -284,7 +286,8 @@ class Auto(CADP):
 
     def _back_off(self, costs: Costs, stat: StatModel) -> None:
         """After a discarded round: the plan before the last switch (or, at the first plan,
-        the smallest G with H = 1), and no round as large as the failed one from now on."""
+        the smallest G with H = 1), and no round on several devices as large as the failed
+        one from now on."""
         failed = self.goodput_plan
         assert failed is not None
         self._round_cap = min(self._round_cap,
