@@ -152,6 +152,27 @@ def test_checkpoints_from_before_the_ema_module_still_load() -> None:
     assert _same(dict(sorted(vars(cadp).items())), dict(sorted(vars(back).items())))
 
 
+def test_auto_checkpoints_from_before_the_divergence_guard_still_load() -> None:
+    """They lack the guard's state: it starts afresh (no cap, no discarded round, the next
+    round's loss as the reference) and everything else is read back as it was."""
+    cfg = config_from_dict({"cluster": "hetero-4", "strategy": {"name": "auto"},
+                            "workload": {"model": "mlp", "dataset": "digits"},
+                            "stop": {"max_epochs": 0.3}})
+    sim = Simulator(prepare(cfg))
+    sim.run()
+    auto = sim.strategy
+    assert auto._first_loss is not None
+    tree, tensors = codec.to_tree(auto)
+    guard = ("_first_loss", "_round_cap", "_diverged", "discarded_rounds")
+    for name in guard:
+        del tree["o"][1][name]
+    back = codec.from_tree(tree, tensors)
+    assert (back._first_loss, back._round_cap, back._diverged, back.discarded_rounds) == (
+        None, math.inf, False, 0)
+    mine = {k: v for k, v in sorted(vars(auto).items()) if k not in guard}
+    assert _same(mine, {k: v for k, v in sorted(vars(back).items()) if k not in guard})
+
+
 def _crafted(tree: object, tail: bytes = b"") -> torch.Tensor:
     header = json.dumps(tree).encode()
     head = struct.pack("<4sI", codec.MAGIC, len(header)) + header

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 
@@ -160,7 +160,7 @@ class Auto(CADP):
         self._member_rounds = 0                    # rounds folded into the measured cost
         self._checked_member_s = self._model_costs.member_s  # the cost the last check used
         self._first_loss: float | None = None
-        self._round_cap = math.inf        # samples per round (G x H) no plan may exceed
+        self._round_cap = math.inf        # samples per round (G x H) of multi-device plans
         self._diverged = False            # the round being closed blew up
         self.discarded_rounds = 0
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
@@ -283,6 +283,16 @@ class Auto(CADP):
         self._record_shares()
         # a device that sits out this plan starts afresh (reset_optimizer) when it rejoins
         self._trained &= {j for j, x in enumerate(plan.shares) if x > 0}
+
+    @staticmethod
+    def _upgrade_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before the divergence guard lacks its state (hetrain.engine.codec
+        calls this when it reads one back); cadp's upgrade first."""
+        attrs = CADP._upgrade_attrs(attrs)
+        for name, value in (("_first_loss", None), ("_round_cap", math.inf),
+                            ("_diverged", False), ("discarded_rounds", 0)):
+            attrs.setdefault(name, value)
+        return attrs
 
     def _back_off(self, costs: Costs, stat: StatModel) -> None:
         """After a discarded round: the plan before the last switch (or, at the first plan,
