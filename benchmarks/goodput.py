@@ -323,35 +323,28 @@ def lone_settings(selection: list[dict[str, Any]], targets: tuple[float, ...],
 
 
 def check_reproduces(args: argparse.Namespace, pool: ProcessPoolExecutor,
-                     selection: list[dict[str, Any]], report: list[dict[str, Any]]) -> None:
+                     selection: list[dict[str, Any]], report: list[dict[str, Any]],
+                     system: str, flag: str) -> None:
     """Saved runs stand for fresh ones only if today's code gives the same numbers: re-run one
-    selection run and one auto run of the file and compare."""
+    selection run and one `system` run of the file and compare (exit naming `flag` if not)."""
     sel = selection[0]
-    auto = next(r for r in report if r["system"] == "auto")
+    other = next(r for r in report if r["system"] == system)
     jobs = [make_job(args, "lone", sel["cluster"], sel["seed"], sel["batch"], sel["lr"],
-                     select=True), make_job(args, "auto", auto["cluster"], auto["seed"])]
-    fresh_sel, fresh_auto = pool.map(run_job, jobs)
+                     select=True), make_job(args, system, other["cluster"], other["seed"])]
+    fresh_sel, fresh_other = pool.map(run_job, jobs)
     if selection_record(fresh_sel)["tta_s"] != {k: float(v) for k, v in sel["tta_s"].items()} \
-            or fresh_auto["rows"] != auto["rows"]:
-        sys.exit("goodput: the saved runs do not reproduce with this code; run afresh "
-                 "(without --widen-json)")
-    print("the saved runs reproduce (one selection run and one auto run re-run)", flush=True)
+            or fresh_other["rows"] != other["rows"]:
+        sys.exit(f"goodput: the saved runs do not reproduce with this code; run afresh "
+                 f"(without {flag})")
+    print(f"the saved runs reproduce (one selection run and one {system} run re-run)",
+          flush=True)
 
 
 def rerun_auto(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any]:
     """`saved` with every auto run made afresh (see the module docstring)."""
-    sel = saved["selection"][0]
-    ddp = next(r for r in saved["runs"] if r["system"] == "ddp")
     old_auto = [r for r in saved["runs"] if r["system"] == "auto"]
-    checks = [make_job(args, "lone", sel["cluster"], sel["seed"], sel["batch"], sel["lr"],
-                       select=True), make_job(args, "ddp", ddp["cluster"], ddp["seed"])]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        fresh_sel, fresh_ddp = pool.map(run_job, checks)
-        if selection_record(fresh_sel)["tta_s"] != {k: float(v) for k, v in sel["tta_s"].items()} \
-                or fresh_ddp["rows"] != ddp["rows"]:
-            sys.exit("goodput: the saved lone and DDP runs do not reproduce with this code; "
-                     "run afresh (without --rerun-auto)")
-        print("the saved lone and DDP runs reproduce (one of each re-run)", flush=True)
+        check_reproduces(args, pool, saved["selection"], saved["runs"], "ddp", "--rerun-auto")
         autos = list(pool.map(run_job, [make_job(args, "auto", r["cluster"], r["seed"])
                                         for r in old_auto]))
     runs = [r for r in saved["runs"] if r["system"] != "auto"] + autos
@@ -378,7 +371,7 @@ def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> di
         report = list(pool.map(run_job, report_jobs))
     else:
         selection, report = saved["selection"], saved["runs"]
-        check_reproduces(args, pool, selection, report)
+        check_reproduces(args, pool, selection, report, "auto", "--widen-json")
     selection = widen(args, pool, selection, first)
     have = {(lone_key(r["cluster"]), (r["batch"], r["lr"]), r["seed"]) for r in report
             if r["system"] == "lone"}

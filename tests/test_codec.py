@@ -22,7 +22,7 @@ from hetrain.config import config_from_dict
 from hetrain.engine import codec, messages, wire
 from hetrain.engine.setup import prepare
 from hetrain.engine.sim import Simulator
-from hetrain.strategies import REGISTRY, WorkTask
+from hetrain.strategies import REGISTRY, Strategy, WorkTask
 
 
 def _same(a: object, b: object) -> bool:
@@ -108,6 +108,16 @@ def test_a_moved_class_loads_under_its_old_name() -> None:
         assert _same(examples[new], codec.from_tree(tree, tensors))
 
 
+def _trained_strategy(name: str) -> Strategy:
+    """Strategy `name` after 0.3 simulated epochs of hetero-4 (its state filled in)."""
+    cfg = config_from_dict({"cluster": "hetero-4", "strategy": {"name": name},
+                            "workload": {"model": "mlp", "dataset": "digits"},
+                            "stop": {"max_epochs": 0.3}})
+    sim = Simulator(prepare(cfg))
+    sim.run()
+    return sim.strategy
+
+
 def test_checkpoints_from_before_the_ema_module_still_load() -> None:
     """The moving averages and per-worker costs became `hetrain.plan.ema` objects; a checkpoint
     written before holds them as plain floats and arrays, and `_upgrade_attrs` reads it back
@@ -136,12 +146,7 @@ def test_checkpoints_from_before_the_ema_module_still_load() -> None:
     back = codec.from_tree(tree, tensors)
     assert _same(dict(sorted(vars(costs).items())), dict(sorted(vars(back).items())))
 
-    cfg = config_from_dict({"cluster": "hetero-4", "strategy": {"name": "cadp"},
-                            "workload": {"model": "mlp", "dataset": "digits"},
-                            "stop": {"max_epochs": 0.3}})
-    sim = Simulator(prepare(cfg))
-    sim.run()
-    cadp = sim.strategy
+    cadp = _trained_strategy("cadp")
     tree, tensors = codec.to_tree(cadp)
     attrs = tree["o"][1]
     del attrs["costs"]  # plain floats: no tensors of its own
@@ -155,12 +160,7 @@ def test_checkpoints_from_before_the_ema_module_still_load() -> None:
 def test_auto_checkpoints_from_before_the_divergence_guard_still_load() -> None:
     """They lack the guard's state: it starts afresh (no cap, no discarded round, the next
     round's loss as the reference) and everything else is read back as it was."""
-    cfg = config_from_dict({"cluster": "hetero-4", "strategy": {"name": "auto"},
-                            "workload": {"model": "mlp", "dataset": "digits"},
-                            "stop": {"max_epochs": 0.3}})
-    sim = Simulator(prepare(cfg))
-    sim.run()
-    auto = sim.strategy
+    auto = _trained_strategy("auto")
     assert auto._first_loss is not None
     tree, tensors = codec.to_tree(auto)
     guard = ("_first_loss", "_round_cap", "_diverged", "discarded_rounds")
