@@ -159,16 +159,20 @@ def test_checkpoints_from_before_the_ema_module_still_load() -> None:
 
 def test_auto_checkpoints_from_before_the_divergence_guard_still_load() -> None:
     """They lack the guard's state: it starts afresh (no cap, no discarded round, the next
-    round's loss as the reference) and everything else is read back as it was."""
+    round's loss as the reference); they hold the PS's per-member cost as a float and a count,
+    read back as the same `EMA`; everything else is read back as it was."""
     auto = _trained_strategy("auto")
-    assert auto._first_loss is not None
+    assert auto._first_loss is not None and auto._member_cost.count > 0
     tree, tensors = codec.to_tree(auto)
-    guard = ("_first_loss", "_round_cap", "_diverged", "discarded_rounds")
+    attrs = tree["o"][1]
+    guard = ("_first_loss", "_round_cap", "discarded_rounds")
     for name in guard:
-        del tree["o"][1][name]
+        del attrs[name]
+    del attrs["_member_cost"]  # plain numbers: no tensors of its own
+    attrs["_measured_member_s"] = auto._member_cost.mean
+    attrs["_member_rounds"] = auto._member_cost.count
     back = codec.from_tree(tree, tensors)
-    assert (back._first_loss, back._round_cap, back._diverged, back.discarded_rounds) == (
-        None, math.inf, False, 0)
+    assert (back._first_loss, back._round_cap, back.discarded_rounds) == (None, math.inf, 0)
     mine = {k: v for k, v in sorted(vars(auto).items()) if k not in guard}
     assert _same(mine, {k: v for k, v in sorted(vars(back).items()) if k not in guard})
 

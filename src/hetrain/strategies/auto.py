@@ -44,6 +44,7 @@ import numpy as np
 
 from hetrain.cluster import Cluster
 from hetrain.plan.allocate import Allocation
+from hetrain.plan.ema import EMA
 from hetrain.plan.goodput import (
     LOCAL_STEPS,
     Costs,
@@ -156,12 +157,10 @@ class Auto(CADP):
         self._next_check = self._check_interval(ctx)
         self.switches = []
         self._round_open_s: float | None = None   # when the round under way was released
-        self._measured_member_s: float | None = None
-        self._member_rounds = 0                    # rounds folded into the measured cost
+        self._member_cost = EMA(self.ema_weight, what="strategy auto: ema_weight")
         self._checked_member_s = self._model_costs.member_s  # the cost the last check used
         self._first_loss: float | None = None
         self._round_cap = math.inf        # samples per round (G x H) of multi-device plans
-        self._diverged = False            # the round being closed blew up
         self.discarded_rounds = 0
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
         super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
@@ -216,16 +215,20 @@ class Auto(CADP):
         if unexplained < 1e-9:   # float rounding where the model is exact (the simulator)
             unexplained = 0.0
         per_member = unexplained / len(active)
-        w, m = self.ema_weight, self._measured_member_s
-        self._measured_member_s = per_member if m is None else (1 - w) * m + w * per_member
-        self._member_rounds += 1
+        # the first measurement replaces the zero start: (1 - 1) * 0 + 1 * x
+        self._member_cost.update(per_member, None if self._member_cost.count else 1.0)
+
+    @property
+    def _measured_member_s(self) -> float | None:
+        """The PS's measured per-member cost (None before a round was measured)."""
+        return self._member_cost.value if self._member_cost.count else None
 
     def _member_cost_grew(self, costs: Costs) -> bool:
         """The measured per-member cost is over twice what the last check planned with (real
         processes: milliseconds per PS message that no cluster file lists). Worth a check at
         once: waiting for the scheduled one spent a fifth of an epoch on many-device rounds
         of a few samples each that cost more than they added (real_hetero4)."""
-        return (self._member_rounds >= self.MEMBER_ROUNDS
+        return (self._member_cost.count >= self.MEMBER_ROUNDS
                 and costs.member_s > 2 * self._checked_member_s + 1e-6)
 
     def _adopt(self, plan: GoodputPlan) -> None:
@@ -238,8 +241,9 @@ class Auto(CADP):
         epoch = self._samples_seen / self.context.train_samples
         self.switches.append((round(epoch, 4), plan.global_batch, plan.local_steps))
 
-    def _replan(self) -> None:
-        """cadp calls this at setup, after every round and when a worker is lost."""
+    def _replan(self, back_off: bool = False) -> None:
+        """cadp calls this at setup, after every round and when a worker is lost; auto's
+        divergence guard with `back_off` after a discarded round."""
         ctx = self.context
         stat = self._stat()
         costs = self._costs()
@@ -249,7 +253,7 @@ class Auto(CADP):
         cost_grew = self.plan is not None and self._member_cost_grew(costs)
         if self.plan is None:                       # setup: the searched plan
             self._adopt(current)
-        elif self._diverged:
+        elif back_off:
             self._back_off(costs, stat)
         elif scheduled or cost_grew or not np.isfinite(
                 [costs.per_sample_s[j] for j in current.active]).all():
@@ -286,12 +290,19 @@ class Auto(CADP):
 
     @staticmethod
     def _upgrade_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint written before the divergence guard lacks its state (hetrain.engine.codec
-        calls this when it reads one back); cadp's upgrade first."""
+        """A checkpoint written before the divergence guard lacks its state, and one written
+        before the PS's per-member cost was an `EMA` holds it as a float (None: unmeasured)
+        and a count (hetrain.engine.codec calls this when it reads one back); cadp's upgrade
+        first."""
         attrs = CADP._upgrade_attrs(attrs)
         for name, value in (("_first_loss", None), ("_round_cap", math.inf),
-                            ("_diverged", False), ("discarded_rounds", 0)):
+                            ("discarded_rounds", 0)):
             attrs.setdefault(name, value)
+        if "_member_rounds" in attrs:
+            cost = EMA(attrs["ema_weight"])
+            cost.mean = attrs.pop("_measured_member_s") or 0.0
+            cost.count = attrs.pop("_member_rounds")
+            attrs["_member_cost"] = cost
         return attrs
 
     def _back_off(self, costs: Costs, stat: StatModel) -> None:
@@ -337,9 +348,7 @@ class Auto(CADP):
             return Decision()
         if not self._round_blew_up():
             return super()._close_round()
-        self._diverged = True
-        self._replan()                       # backs off (cadp may re-plan again: quietly)
-        self._diverged = False
+        self._replan(back_off=True)          # cadp may re-plan again after it: quietly
         self.discarded_rounds += 1
         decision = super()._close_round()
         return replace(decision, apply=tuple((j, 0.0) for j, _ in decision.apply))
