@@ -19,7 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from functools import cache, partial
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any
 
 from hetrain import cluster as cluster_mod
 from hetrain import config as config_mod
@@ -29,6 +29,7 @@ from hetrain.validate import (
     declared_choices,
     declared_limit,
     type_hints,
+    unannotated,
 )
 
 if TYPE_CHECKING:
@@ -110,9 +111,9 @@ def _type_name(f: dataclasses.Field, hint: Any = None) -> str:
     """The field's annotation as written; for `Annotated[T, range]` (`hint`, resolved) the T,
     for `Literal[...]` the type of its choices (the choices go with the meaning)."""
     t: Any = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    base = get_args(hint)[0] if get_origin(hint) is Annotated else hint
-    if get_origin(base) is Literal:
-        t = " | ".join(dict.fromkeys(type(a).__name__ for a in get_args(base)))
+    base = unannotated(hint)
+    if (choices := declared_choices(hint)) is not None:
+        t = " | ".join(dict.fromkeys(type(a).__name__ for a in choices))
     elif base is not hint:
         t = getattr(base, "__name__", None) or str(base)
     return str(t).replace("|", "\\|")

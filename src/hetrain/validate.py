@@ -277,7 +277,7 @@ def check_fields(section: str, obj: Any) -> None:
 
 
 # ---- values against annotations ------------------------------------------------------------
-def _unannotated(tp: Any) -> Any:
+def unannotated(tp: Any) -> Any:
     """`int` for `Annotated[int, ...]`; anything else as it is."""
     return typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
 
@@ -291,7 +291,7 @@ def declared_limit(tp: Any) -> Limit | None:
 
 def declared_choices(tp: Any) -> tuple[Any, ...] | None:
     """The values a `Literal[...]` annotation (optionally inside Annotated) allows; else None."""
-    tp = _unannotated(tp)
+    tp = unannotated(tp)
     return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
 
 
@@ -300,7 +300,7 @@ _SEQUENCES = (collections.abc.Sequence, collections.abc.Iterable, list, tuple)
 
 def _matches(value: Any, tp: Any) -> bool:
     """Does a TOML value fit the annotation `tp`? Unknown annotations accept anything."""
-    tp = _unannotated(tp)
+    tp = unannotated(tp)
     if tp is Any or tp is inspect.Parameter.empty:
         return True
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -337,7 +337,7 @@ _PLURAL = {"an integer": "integers", "a number": "numbers", "a string": "strings
 
 def _describe_type(tp: Any) -> str:
     """'an integer', 'a list of integers', 'a string or a list of strings or paths' ..."""
-    tp = _unannotated(tp)
+    tp = unannotated(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or isinstance(tp, types.UnionType):
         arms = [_describe_type(a) for a in args if a is not type(None)]
