@@ -107,7 +107,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     cfg = config_from_dict({
         "name": "bench", "cluster": cluster_spec(job["cluster"]),
         "workload": spec["workload"],
-        "strategy": {"name": "ddp" if alone else job["system"]},
+        "strategy": {"name": "ddp" if alone else job["system"], **job.get("options", {})},
         "optimizer": {**spec["optimizer"], "lr": job["lr"]},
         "train": {"batch_size": job["batch"], "seed": job["seed"], "eval_every_s": EVAL_EVERY_S},
         "stop": {"max_epochs": job["epochs"], target_key: job["stop_target"],

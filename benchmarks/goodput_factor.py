@@ -1,0 +1,93 @@
+"""How auto's `noise_scale_factor` was chosen: auto at each factor on the SELECTION seeds.
+
+    .venv/bin/python benchmarks/goodput_factor.py [--factors 1 2 3 5]
+        [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
+        [--selection benchmarks/results/goodput.json]
+
+auto (simulated, MNIST-1D CNN, 5 epochs, evaluated every 0.5 virtual s, its defaults but the
+factor) against the tuned fastest device alone, per target: the lone device's setting is the
+one goodput.py's tuning picked on these seeds, and its time to the target on each seed is the
+selection run's, read from the results file of goodput.py (`--selection`). Only selection
+seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
+benchmarks/results/goodput_factor.{json,md}: per cluster, target and factor, the median (and
+per-seed values) of lone TTA / auto TTA, and auto's final accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from common import results_dir
+from goodput import BASE_BATCH, WORKLOADS, final_metric, lone_key, pick, run_job, tta
+
+WORKLOAD = "mnist1d-cnn"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--factors", nargs="+", type=float, default=[1.0, 2.0, 3.0, 5.0])
+    ap.add_argument("--clusters", nargs="+", default=["hetero-4", "hetero-8", "geo-16", "lab-6"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--selection", type=Path,
+                    default=Path(__file__).parent / "results" / "goodput.json")
+    args = ap.parse_args()
+    saved = json.loads(args.selection.read_text())
+    if saved.get("workload", WORKLOAD) != WORKLOAD or not set(args.seeds) <= set(
+            saved["select_seeds"]):
+        sys.exit(f"goodput_factor: {args.selection} must be goodput.py's {WORKLOAD} results "
+                 f"with selection seeds {args.seeds}")
+    spec = WORKLOADS[WORKLOAD]
+    jobs = [{"system": "auto", "workload": WORKLOAD, "cluster": c, "seed": s,
+             "batch": BASE_BATCH, "lr": spec["optimizer"]["lr"], "epochs": spec["epochs"],
+             "stop_target": 0.0, "max_time_s": 0.0, "options": {"noise_scale_factor": f}}
+            for f in args.factors for c in args.clusters for s in args.seeds]
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        runs = list(pool.map(run_job, jobs))
+    cells: list[dict[str, Any]] = []
+    for c in args.clusters:
+        mine = [r for r in saved["selection"] if lone_key(r["cluster"]) == lone_key(c)]
+        for t in spec["targets"]:
+            batch, lr = pick(mine, t)
+            lone = {r["seed"]: float(r["tta_s"][str(t)]) for r in mine
+                    if (r["batch"], r["lr"]) == (batch, lr)}
+            for f in args.factors:
+                autos = {r["seed"]: r for r in runs if r["cluster"] == c
+                         and r["options"]["noise_scale_factor"] == f}
+                ratios = [lone[s] / tta(autos[s]["rows"], t) for s in args.seeds]
+                cells.append({"cluster": c, "target": t, "factor": f,
+                              "lone_setting": [batch, lr], "auto_vs_lone": ratios,
+                              "median": statistics.median(ratios),
+                              "final_auto": [final_metric(autos[s]["rows"]) for s in args.seeds]})
+    command = "python benchmarks/goodput_factor.py " + " ".join(sys.argv[1:])
+    out = results_dir()
+    out.mkdir(exist_ok=True)
+    (out / "goodput_factor.json").write_text(json.dumps(
+        {"command": command, "seeds": args.seeds, "cells": cells,
+         "runs": [{k: r[k] for k in ("cluster", "seed", "options", "rows", "strategy_stats")}
+                  for r in runs]}, indent=1, default=str))
+    lines = ["# auto's noise_scale_factor on the selection seeds (simulated, MNIST-1D CNN)\n",
+             f"Command: `{command}`\n",
+             f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
+             "(per seed); the lone TTAs are the selection runs of goodput.py's results file.\n",
+             "| cluster | target | " + " | ".join(f"factor {f:g}" for f in args.factors) + " |",
+             "|---|---|" + "---|" * len(args.factors)]
+    for i in range(0, len(cells), len(args.factors)):
+        row = cells[i:i + len(args.factors)]
+        lines.append(f"| {row[0]['cluster']} | {row[0]['target']:g} | " + " | ".join(
+            f"{x['median']:.2f} ({', '.join(f'{v:.2f}' for v in x['auto_vs_lone'])})"
+            for x in row) + " |")
+    text = "\n".join(lines) + "\n"
+    (out / "goodput_factor.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
