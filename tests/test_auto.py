@@ -266,7 +266,7 @@ def test_the_ps_cost_no_cluster_file_lists_is_measured_and_priced() -> None:
 def test_one_device_alone_takes_its_local_steps_without_a_ramp() -> None:
     """The round-growth cap is for replicas averaged together: a PS that costs 50 ms per
     message makes the fast device alone with many local steps the best plan, and auto goes
-    there in one switch (ramping H 1, 2, 4, ... cost real processes 0.3 epochs of PS trips)."""
+    there in one switch (ramping H 1, 2, 4, ... would only spend rounds on PS trips)."""
     s = make_strategy("auto", replan_every_epochs=1.0)
     s.setup(_ctx(preset("hetero-4")))
     _timed_rounds(s, s.MEMBER_ROUNDS + 3, per_member_s=0.05)

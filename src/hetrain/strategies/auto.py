@@ -78,8 +78,10 @@ class Auto(CADP):
     """The planner's noise scale is this multiple of the measured simple noise scale
     B_simple (McCandlish et al. relate B_simple to the critical batch only up to a factor of
     order 1-10). At 1 the MNIST-1D plans kept G at 8 for up to 1.5 epochs on hetero-4; 3 was
-    the fastest of 1, 2, 3, 5 on the goodput benchmark's selection seeds (hetero-4 to 90%:
-    1.72x, 1.88x, 1.96x, 1.75x the tuned lone device; lab-6: 1.74x, 1.74x, 1.83x, 1.74x)."""
+    the best of 1, 2, 3, 5 on the goodput benchmark's selection seeds, fastest or tied in 6
+    of 8 cells (hetero-4 to 90%:
+    1.72x, 1.88x, 1.96x, 1.75x the tuned lone device; lab-6: 1.74x, 1.74x, 1.83x, 1.74x;
+    benchmarks/goodput_factor.py, results/goodput_factor.md)."""
     min_batch: Annotated[int, integer(1, 10**9)] = 8
     """Smallest global batch the planner considers."""
     max_batch: Annotated[int, integer(0, 10**9).with_note("0: auto")] = 0
@@ -104,7 +106,8 @@ class Auto(CADP):
     most this factor (Pollux/AdaScale ramp the batch; a sudden jump meets replicas whose
     momentum was built at the old batch: G48xH1 -> G96xH16 in one switch sent geo-16 seed 4
     to NaN). One device alone may take any H at once: its local steps are plain steps, and
-    ramping H 1, 2, 4, 8 cost real_hetero4 a tenth of an epoch of PS round trips."""
+    ramping H 1, 2, 4, 8 there only spends rounds on PS round trips (on real processes, where
+    auto trains the fast device alone, it cost real_hetero4 its lead over the lone device)."""
     divergence_factor: Annotated[float, Limit(1, math.inf)] = 4.0
     """A round whose members' mean training loss is not finite, or above this many times the
     first round's (an untrained model's), is discarded (applied with weight 0, the members'
