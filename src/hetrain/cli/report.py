@@ -8,7 +8,6 @@ from pathlib import Path
 from hetrain.cli.output import Output
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import load_run
-from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
 from hetrain.report.table import comparison_rows, comparison_table
 from hetrain.validate import check_output_dir
 
@@ -26,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # matplotlib is imported here, not when the parser registers this command: every other
+    # command (and every rank a launcher starts) would pay half a second for it
+    from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
+
     out = Output(args.quiet, args.json)
     runs = [load_run(r) for r in args.runs]
     if not runs:

@@ -18,7 +18,6 @@ from hetrain.cli.output import Output
 from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
-from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
 from hetrain.report.table import comparison_table
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
@@ -152,7 +151,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def write_plots(results: list[RunResult], report_dir: Path, out: Output) -> None:
-    """The time-to-accuracy, utilisation and noise-scale PNGs of finished runs."""
+    """The time-to-accuracy, utilisation and noise-scale PNGs of finished runs (matplotlib
+    is imported here: half a second that a --no-plot run, and every rank, need not pay)."""
+    from hetrain.report.plots import plot_noise_scale, plot_time_to_accuracy, plot_utilisation
+
     report_dir.mkdir(parents=True, exist_ok=True)
     tta = plot_time_to_accuracy(results, report_dir / "time_to_accuracy.png")
     util = plot_utilisation(results, report_dir / "utilisation.png")
