@@ -94,11 +94,18 @@ def _losses(rows: list[dict[str, Any]]) -> list[float]:
     return [r["test_loss"] for r in rows if r.get("test_loss") is not None]
 
 
-def test_two_shards_give_the_model_of_one_server(mnist1d_cnn_small) -> None:
+@pytest.fixture(scope="module")
+def sync_ps_runs(mnist1d_cnn_small) -> dict[int, Any]:
+    """The deterministic SyncPS run on one server and on two shards (uncut), shared by the
+    tests that compare against them."""
+    return {s: run_distributed(trio_cfg("test_sync_ps", ps_shards=s), run_dir=None,
+                               strategy=SyncPS(), workload=mnist1d_cnn_small) for s in (1, 2)}
+
+
+def test_two_shards_give_the_model_of_one_server(sync_ps_runs) -> None:
     """Same seed, deterministic strategy: every evaluation (of the model assembled from the
     shards' blocks) equals the one-server run's, and the bytes per worker are the same."""
-    runs = [run_distributed(trio_cfg("test_sync_ps", ps_shards=s), run_dir=None,
-                            strategy=SyncPS(), workload=mnist1d_cnn_small) for s in (1, 2)]
+    runs = [sync_ps_runs[1], sync_ps_runs[2]]
     one, two = (r.summary for r in runs)
     assert two["ps_shards"] == 2 and one["updates"] == two["updates"] >= 5
     assert _losses(runs[1].rows) == pytest.approx(_losses(runs[0].rows), abs=1e-5)
@@ -109,7 +116,10 @@ def test_two_shards_give_the_model_of_one_server(mnist1d_cnn_small) -> None:
         assert w2["bytes_sent"] == pytest.approx(w1["bytes_sent"], rel=0.03)
 
 
-@pytest.mark.parametrize("name", ["asp", "cadp", pytest.param("ashl", marks=pytest.mark.slow)])
+# cadp on two shards runs by default in test_topk_pushes_on_two_shards_train_and_are_sparse,
+# dense pushes on two shards in the asp case: the other strategies are slow.
+@pytest.mark.parametrize("name", ["asp", pytest.param("cadp", marks=pytest.mark.slow),
+                                  pytest.param("ashl", marks=pytest.mark.slow)])
 def test_ps_strategies_train_on_two_shards(name: str, mnist1d_cnn_small) -> None:
     r = run_distributed(trio_cfg(name, epochs=0.3, ps_shards=2), run_dir=None,
                         workload=mnist1d_cnn_small)
@@ -131,11 +141,9 @@ def test_killed_worker_with_two_shards_does_not_lose_async_run(mnist1d_cnn_small
     assert losses[-1] < losses[0], losses
 
 
-def test_two_shard_checkpoint_resumes_to_the_model_of_an_uncut_run(tmp_path,
+def test_two_shard_checkpoint_resumes_to_the_model_of_an_uncut_run(tmp_path, sync_ps_runs,
                                                                    mnist1d_cnn_small) -> None:
-    wl = mnist1d_cnn_small
-    full = run_distributed(trio_cfg("test_sync_ps", ps_shards=2), run_dir=None,
-                           strategy=SyncPS(), workload=wl)
+    wl, full = mnist1d_cnn_small, sync_ps_runs[2]
     cfg = trio_cfg("test_sync_ps", ps_shards=2, checkpoint_every=1)
     with pytest.raises(WorkerLostError, match="checkpoint"):
         run_distributed(cfg, run_dir=tmp_path / "cut", strategy=SyncPS(),

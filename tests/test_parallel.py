@@ -40,35 +40,64 @@ def _slow_lan_4() -> Cluster:
     return Cluster("slow-4", tuple(Device(f"d{i}", 2e10, site="dc") for i in range(4)), (site,))
 
 
-@pytest.mark.dist
-def test_gpt_trains_like_one_process_under_dp_tp_and_dp_x_tp() -> None:
-    from hetrain.parallel.runs import PlanRun, reference_run, run_plans
+def _gpt_run():  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import PlanRun
 
     V, T, B = 32, 16, 8
     g = gpt_graph(2, 32, 4, V, T, B)
     searched = search_plan(g, _slow_lan_4(), SearchOptions(pipeline=False, subsets=False)).plan
     plans = (template_plan(g, M4, "dp"), template_plan(g, M4, "tp"), template_plan(g, M22, "dp-tp"),
              searched)
-    assert len({p.stages[0].signatures for p in plans}) == 4
-    run = PlanRun(functools.partial(MODELS["gpt"], (T,), V, n_layer=2, n_head=4, n_embd=32),
-                  cross_entropy, g, plans,
-                  _batches(lambda gen: (torch.randint(0, V, (B, T), generator=gen),
-                                        torch.randint(0, V, (B, T), generator=gen))), lr=0.5)
-    _assert_same_losses(run_plans(run, 4, timeout_s=90), reference_run(run))
+    return PlanRun(functools.partial(MODELS["gpt"], (T,), V, n_layer=2, n_head=4, n_embd=32),
+                   cross_entropy, g, plans,
+                   _batches(lambda gen: (torch.randint(0, V, (B, T), generator=gen),
+                                         torch.randint(0, V, (B, T), generator=gen))), lr=0.5)
 
 
-@pytest.mark.dist
-def test_vgg_trains_like_one_process_under_dp_tp_and_mixed() -> None:
-    from hetrain.parallel.runs import PlanRun, reference_run, run_plans
+def _vgg_run():  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import PlanRun
 
     B = 8
     g = vgg_graph(B, (3, 16, 16), width=8, fc=32)
     plans = (template_plan(g, M4, "dp"), template_plan(g, M4, "tp"), template_plan(g, M22, "dp-mixed"))
-    run = PlanRun(functools.partial(MODELS["vgg"], (3, 16, 16), 10, width=8, fc=32), cross_entropy,
-                  g, plans, _batches(lambda gen: (torch.randn(B, 3, 16, 16, generator=gen),
-                                                  torch.randint(0, 10, (B,), generator=gen))),
-                  lr=0.2, optimizer="adamw")
-    _assert_same_losses(run_plans(run, 4, timeout_s=90), reference_run(run))
+    return PlanRun(functools.partial(MODELS["vgg"], (3, 16, 16), 10, width=8, fc=32), cross_entropy,
+                   g, plans, _batches(lambda gen: (torch.randn(B, 3, 16, 16, generator=gen),
+                                                   torch.randint(0, 10, (B,), generator=gen))),
+                   lr=0.2, optimizer="adamw")
+
+
+def _every_run(rank: int, world: int, runs) -> list:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import plans_worker
+
+    return [plans_worker(rank, world, run) for run in runs]
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, tuple]:
+    """The GPT and the VGG runs, both on one group of 4 gloo processes (starting the
+    processes costs more than the training): name -> (run, rank 0's results per plan)."""
+    from hetrain.parallel.launch import run_local
+
+    runs = {"gpt": _gpt_run(), "vgg": _vgg_run()}
+    results = run_local(_every_run, 4, (tuple(runs.values()),), timeout_s=120)[0]
+    return {name: (run, res) for (name, run), res in zip(runs.items(), results, strict=True)}
+
+
+@pytest.mark.dist
+def test_gpt_trains_like_one_process_under_dp_tp_and_dp_x_tp(trained) -> None:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import reference_run
+
+    run, results = trained["gpt"]
+    assert len({p.stages[0].signatures for p in run.plans}) == 4
+    _assert_same_losses(results, reference_run(run))
+
+
+@pytest.mark.dist
+def test_vgg_trains_like_one_process_under_dp_tp_and_mixed(trained) -> None:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import reference_run
+
+    run, results = trained["vgg"]
+    _assert_same_losses(results, reference_run(run))
 
 
 def test_templates_are_the_plans_they_claim() -> None:

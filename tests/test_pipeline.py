@@ -4,6 +4,7 @@ and 1F1B, uneven splits, DTensor stages); plans the executor cannot run say why.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -28,34 +29,6 @@ def _one_device_stages(bounds: list[int], n_micro: int) -> Plan:
     return pipeline_plan(GRAPH, bounds, [Mesh((1,), (s,)) for s in range(len(bounds) - 1)], n_micro)
 
 
-def _run_and_compare(plans, schedules: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
-    from hetrain.parallel.runs import PlanRun, reference_run, run_plans
-
-    gen = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
-    run = PlanRun(build_gpt, cross_entropy, GRAPH, plans, (batch,) * 3, lr=0.5,
-                  schedule=schedules)
-    ref = reference_run(run)
-    assert ref.losses[2] < ref.losses[1] - 1e-3 < ref.losses[0] - 2e-3  # the SGD steps count
-    for plan, res in zip(plans, run_plans(run, 4, timeout_s=120), strict=True):
-        assert res.losses == pytest.approx(ref.losses, rel=1e-4), [len(s.ops) for s in plan.stages]
-
-
-@pytest.mark.dist
-def test_gpt_pipelines_train_like_one_process() -> None:
-    """2- and 4-stage uneven pipelines of one device per stage under GPipe and 1F1B, and a
-    speed-proportional split, on 4 gloo processes (ranks a plan does not need sit it out)."""
-    split = speed_split(GRAPH, cluster_of((1e9, 4e9, 2e9, 1e9)), (0, 1, 2, 3), n_micro=4)
-    sizes = [len(s.ops) for s in split.stages]
-    assert len(set(sizes)) > 1 and sizes.index(max(sizes)) == 1  # the fast device: most ops
-    _run_and_compare((_one_device_stages([0, 8, N], 2),            # 8 | 20 ops
-                      _one_device_stages([0, 20, N], 4),           # 20 | 8
-                      _one_device_stages([0, 1, 8, 13, N], 4),     # 1 | 7 | 5 | 15
-                      _one_device_stages([0, 13, 20, 25, N], 8),   # 13 | 7 | 5 | 3
-                      split),
-                     ("gpipe", "1f1b", "gpipe", "1f1b", "1f1b"))
-
-
 def _two_by_two(cut: int, templates: tuple[str, str], n_micro: int) -> Plan:
     """2 stages of 2 devices, each stage's ops under a template ("dp", "tp", "mixed")."""
     meshes = (Mesh((2,), (0, 1)), Mesh((2,), (2, 3)))
@@ -65,16 +38,33 @@ def _two_by_two(cut: int, templates: tuple[str, str], n_micro: int) -> Plan:
                 n_micro)
 
 
-@pytest.mark.dist
-def test_gpt_pipelines_of_dtensor_stages_train_like_one_process() -> None:
-    """Stages on 2 devices each run their own SBP plan with DTensor: data parallel, Megatron
-    tensor parallel (vocab-parallel loss on the last stage), mixed."""
-    plans = (_two_by_two(8, ("dp", "tp"), 2), _two_by_two(20, ("tp", "mixed"), 2))
-    assert plans[0].signature("loss") == "vocab" and plans[1].signature("blocks.0.mlp.fc") == "col"
-    _run_and_compare(plans, ("gpipe", "1f1b"))
+def _speed_split() -> Plan:
+    return speed_split(GRAPH, cluster_of((1e9, 4e9, 2e9, 1e9)), (0, 1, 2, 3), n_micro=4)
 
 
-def _holders(rank: int, world: int, plan: Plan) -> int:
+ONE_DEVICE_STAGES = ((_one_device_stages([0, 8, N], 2), "gpipe"),            # 8 | 20 ops
+                     (_one_device_stages([0, 20, N], 4), "1f1b"),            # 20 | 8
+                     (_one_device_stages([0, 1, 8, 13, N], 4), "gpipe"),     # 1 | 7 | 5 | 15
+                     (_one_device_stages([0, 13, 20, 25, N], 8), "1f1b"),    # 13 | 7 | 5 | 3
+                     (_speed_split(), "1f1b"))
+"""2- and 4-stage uneven pipelines of one device per stage, and a speed-proportional split."""
+DTENSOR_STAGES = ((_two_by_two(8, ("dp", "tp"), 2), "gpipe"),
+                  (_two_by_two(20, ("tp", "mixed"), 2), "1f1b"))
+"""2 stages of 2 devices, each with its own SBP plan."""
+REVERSED_STAGES = Plan(GRAPH.name, tuple(
+    StagePlan(mesh, st.ops, st.signatures) for mesh, st in
+    zip((Mesh((2,), (2, 3)), Mesh((2,), (0, 1))), _two_by_two(8, ("dp", "tp"), 2).stages,
+        strict=True)), 2)
+PLACED = ((REVERSED_STAGES, "gpipe"),
+          (pipeline_plan(GRAPH, [0, 20, N], [Mesh((1,), (3,)), Mesh((1,), (1,))], 2), "1f1b"),
+          (template_plan(GRAPH, Mesh((2,), (1, 3)), "tp"), "gpipe"))
+"""Plans on the devices the planner named: a stage on devices 2 and 3 (say, the small-memory
+ones), a pipeline on devices 3 and 1, one stage on the subset 1 and 3."""
+GROUPS = {"one_device": ONE_DEVICE_STAGES, "dtensor": DTENSOR_STAGES, "placed": PLACED}
+
+
+def _holders(plan: Plan) -> int:
+    """The number of parameters this rank holds after one step under `plan`."""
     from hetrain.parallel.execute import make_executor
 
     torch.manual_seed(0)
@@ -85,25 +75,78 @@ def _holders(rank: int, world: int, plan: Plan) -> int:
     return sum(p.numel() for p in ex.parameters())
 
 
+def _hold_then_train(rank: int, world: int, run) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import plans_worker
+
+    return [_holders(p) for p in run.plans], plans_worker(rank, world, run)
+
+
+@dataclass(frozen=True)
+class Trained:
+    ref: tuple[float, ...]
+    """One process's losses over the three steps."""
+    losses: dict[str, list[tuple[float, ...]]]
+    """Rank 0's losses per plan of each group."""
+    held: dict[str, list[list[int]]]
+    """Parameters each rank holds, per plan of each group: held[group][plan][rank]."""
+
+
+@pytest.fixture(scope="module")
+def trained() -> Trained:
+    """Every plan of this module trained on one group of 4 gloo processes (ranks a plan does
+    not need sit it out): starting 4 processes costs more than training all 10 plans."""
+    from hetrain.parallel.launch import run_local
+    from hetrain.parallel.runs import PlanRun, reference_run
+
+    plans = [p for group in GROUPS.values() for p in group]
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    run = PlanRun(build_gpt, cross_entropy, GRAPH, tuple(p for p, _ in plans), (batch,) * 3,
+                  lr=0.5, schedule=tuple(s for _, s in plans))
+    per_rank = run_local(_hold_then_train, 4, (run,), timeout_s=240)
+    losses, held, k = {}, {}, 0
+    for name, group in GROUPS.items():
+        losses[name] = [per_rank[0][1][k + i].losses for i in range(len(group))]
+        held[name] = [[per_rank[r][0][k + i] for r in range(4)] for i in range(len(group))]
+        k += len(group)
+    return Trained(reference_run(run).losses, losses, held)
+
+
+def _trains_like_one_process(trained: Trained, group: str) -> None:
+    ref = trained.ref
+    assert ref[2] < ref[1] - 1e-3 < ref[0] - 2e-3  # the SGD steps count
+    for (plan, _), losses in zip(GROUPS[group], trained.losses[group], strict=True):
+        assert losses == pytest.approx(ref, rel=1e-4), [len(s.ops) for s in plan.stages]
+
+
 @pytest.mark.dist
-def test_stages_run_on_the_devices_the_plan_names() -> None:
+def test_gpt_pipelines_train_like_one_process(trained: Trained) -> None:
+    """2- and 4-stage uneven pipelines of one device per stage under GPipe and 1F1B, and a
+    speed-proportional split, on 4 gloo processes."""
+    sizes = [len(s.ops) for s in _speed_split().stages]
+    assert len(set(sizes)) > 1 and sizes.index(max(sizes)) == 1  # the fast device: most ops
+    _trains_like_one_process(trained, "one_device")
+
+
+@pytest.mark.dist
+def test_gpt_pipelines_of_dtensor_stages_train_like_one_process(trained: Trained) -> None:
+    """Stages on 2 devices each run their own SBP plan with DTensor: data parallel, Megatron
+    tensor parallel (vocab-parallel loss on the last stage), mixed."""
+    plans = [p for p, _ in DTENSOR_STAGES]
+    assert plans[0].signature("loss") == "vocab" and plans[1].signature("blocks.0.mlp.fc") == "col"
+    _trains_like_one_process(trained, "dtensor")
+
+
+@pytest.mark.dist
+def test_stages_run_on_the_devices_the_plan_names(trained: Trained) -> None:
     """Rank r is cluster device r: a stage the planner put on devices 2 and 3 (say, the
     small-memory ones) runs there, not on the first ranks; a one-stage plan on a subset of
     the devices runs on that subset while the others idle; both train like one process."""
-    from hetrain.parallel.launch import run_local
-
-    reversed_stages = Plan(GRAPH.name, tuple(
-        StagePlan(mesh, st.ops, st.signatures) for mesh, st in
-        zip((Mesh((2,), (2, 3)), Mesh((2,), (0, 1))), _two_by_two(8, ("dp", "tp"), 2).stages,
-            strict=True)), 2)
-    one_device = pipeline_plan(GRAPH, [0, 20, N], [Mesh((1,), (3,)), Mesh((1,), (1,))], 2)
-    subset = template_plan(GRAPH, Mesh((2,), (1, 3)), "tp")
-    held = [run_local(_holders, 4, (p,), timeout_s=120) for p in (reversed_stages, one_device,
-                                                                  subset)]
+    held = trained.held["placed"]
     assert [h > 0 for h in held[0]] == [True] * 4 and held[0][2] == held[0][3] != held[0][0]
     assert [h > 0 for h in held[1]] == [False, True, False, True] and held[1][3] > held[1][1]
     assert [h > 0 for h in held[2]] == [False, True, False, True]
-    _run_and_compare((reversed_stages, one_device, subset), ("gpipe", "1f1b", "gpipe"))
+    _trains_like_one_process(trained, "placed")
 
 
 # ---- refusals ----------------------------------------------------------------------------------
