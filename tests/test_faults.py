@@ -65,6 +65,10 @@ def test_ctrl_c_checkpoints_and_exits_130(tmp_path, started) -> None:
     assert not [p for p in workers if alive(p)]
 
 
+# Slow: by default test_a_ddp_run_losing_a_worker_stops_with_the_checkpoint_it_promises has
+# rank 0 fetch a ddp worker's model into the checkpoint, and the SIGTERM -> checkpoint -> 143
+# path runs in test_launch_drops_a_killed_worker_goes_on_and_checkpoints_on_sigterm.
+@pytest.mark.slow
 def test_sigterm_on_a_ddp_run_checkpoints_the_workers_model(tmp_path, started) -> None:
     """All-reduce strategies keep the model on the workers: rank 0 fetches it from one that
     is waiting, after SIGTERM, before stopping them."""

@@ -196,6 +196,10 @@ def test_node0_alone_says_once_that_the_others_never_joined(tmp_path, started) -
     assert tagged(started.tag) == []
 
 
+# Slow: by default test_faults.py's test_launch_drops_a_killed_worker_goes_on_and_checkpoints_on
+# _sigterm sends SIGTERM to `hetrain launch` (checkpoint, 143, no orphans), and
+# test_killed_node_drops_its_workers_and_node0_finishes runs `launch --nnodes 2`.
+@pytest.mark.slow
 def test_sigterm_to_node0_checkpoints_and_exits_143(tmp_path, started) -> None:
     config = write_config(tmp_path, epochs=8)
     master, runs = f"127.0.0.1:{free_port()}", tmp_path / "n0"

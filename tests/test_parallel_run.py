@@ -149,6 +149,9 @@ def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) ->
                                                           rel=1e-4)
 
 
+# Slow: by default test_ctrl_c_checkpoints_the_last_step_and_resume_matches_the_uncut_run
+# resumes a [parallel] run from its checkpoint to the uncut run's rows and weights.
+@pytest.mark.slow
 def test_resume_continues_as_the_uncut_run(auto_run: Path, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, "auto", epochs=0.2)
     runs = str(tmp_path / "runs")
