@@ -57,8 +57,10 @@ def make_cfg(strategy: str = "ddp", epochs: float = 0.1, **dist: Any) -> RunConf
         "dist": {"time_scale": 0.05, "worker_timeout_s": 20.0, "init_timeout_s": 60.0, **dist}})
 
 
-DEFAULT = ("ddp", "local_sgd", "cadp", "ashl")
-"""Strategies run by default (~10-20 s each here); every other registered one is `slow`."""
+DEFAULT = ("ddp", "local_sgd", "ashl")
+"""Strategies run by default (~10-20 s each here); every other registered one is `slow`.
+cadp trains over gloo by default in test_killed_worker_in_cadp_is_replanned_and_the_run_goes_on
+and in test_dist_shards.py's top-k test (its loss falls)."""
 LEARNS_BY_HALF_EPOCH = ("cadp", "ashl")
 """PS strategies checked to beat chance clearly after 0.5 epochs (see below)."""
 
