@@ -155,7 +155,7 @@ class Coordinator:
         """The clock leaves out rank 0's evaluations; so do the workers' deadlines."""
         self.eval_pause_s += pause_s
         for w in self.busy:
-            self.inbox.extend(w + 1, self.cfg.dist.worker_timeout_s)
+            self.inbox.postpone(w + 1, pause_s)
 
     # ---- setup / resume -------------------------------------------------------------------
     def _restore(self) -> None:

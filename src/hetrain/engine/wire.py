@@ -249,10 +249,12 @@ class Inbox:
         """src owes us a message within timeout_s."""
         self._deadline[src] = time.monotonic() + timeout_s
 
-    def extend(self, src: int, timeout_s: float) -> None:
-        """Move src's deadline (e.g. after a long evaluation on the server)."""
+    def postpone(self, src: int, seconds: float) -> None:
+        """Move src's deadline `seconds` later (the server paused for an evaluation). By the
+        pause, not to a fresh timeout: a hung worker's deadline must still come, however
+        often the server evaluates."""
         if src in self._deadline:
-            self._deadline[src] = max(self._deadline[src], time.monotonic() + timeout_s)
+            self._deadline[src] += seconds
 
     def cap(self, timeout_s: float) -> None:
         """Wait at most timeout_s more for anyone (a run that is being stopped)."""

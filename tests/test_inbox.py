@@ -1,0 +1,31 @@
+"""The dist server's Inbox deadlines (no processes: a source that never sends)."""
+
+from __future__ import annotations
+
+import time
+
+from hetrain.engine.wire import Inbox
+
+
+def test_a_silent_source_is_lost_at_its_deadline_plus_the_pauses() -> None:
+    """Evaluations postpone a deadline by their length, not to a fresh timeout: a server
+    that evaluates more often than the worker timeout still finds a hung worker."""
+    inbox = Inbox([])
+    start = time.monotonic()
+    inbox.expect(7, 0.4)
+    for _ in range(6):  # six "evaluations" of 10 ms, one every 0.1 s
+        time.sleep(0.1)
+        inbox.postpone(7, 0.01)
+    ev = inbox.next_within(None)
+    waited = time.monotonic() - start
+    assert ev[:2] == ("lost", 7)
+    assert 0.45 <= waited < 0.9, waited  # due at 0.46 s; a fresh 0.4 s per pause: 1.0 s
+
+
+def test_postpone_leaves_other_sources_and_unknown_ones_alone() -> None:
+    inbox = Inbox([])
+    inbox.expect(1, 0.05)
+    inbox.postpone(2, 10.0)  # owes nothing: stays owing nothing
+    assert inbox.waiting == [1]
+    assert inbox.next_within(None)[:2] == ("lost", 1)
+    assert inbox.waiting == []
