@@ -28,18 +28,20 @@ def _split(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """(images, targets) of scikit-learn's bundled digits.csv.gz, read as `load_digits` reads
     it but without importing scikit-learn (0.9 s in every process that loads the data set,
-    each rank of a dist run included); `load_digits` itself where the file is not found."""
+    each rank of a dist run included); `load_digits` itself where the file is not found or
+    is not the 1797 x 65 table it reads."""
     spec = importlib.util.find_spec("sklearn")  # a top-level package: finds, does not import
     path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" \
         if spec is not None and spec.origin else None
-    if path is None or not path.is_file():
-        from sklearn.datasets import load_digits
+    if path is not None and path.is_file():
+        with gzip.open(path, mode="rt", encoding="utf-8") as f:
+            data = np.loadtxt(f, delimiter=",")
+        if data.shape == (1797, 65):
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    from sklearn.datasets import load_digits
 
-        d = load_digits()
-        return d.images, d.target
-    with gzip.open(path, mode="rt", encoding="utf-8") as f:
-        data = np.loadtxt(f, delimiter=",")
-    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    d = load_digits()
+    return d.images, d.target
 
 
 @register_dataset("digits")
