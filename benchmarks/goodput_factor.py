@@ -1,16 +1,17 @@
 """How auto's `noise_scale_factor` was chosen: auto at each factor on the SELECTION seeds.
 
-    .venv/bin/python benchmarks/goodput_factor.py [--factors 1 2 3 5]
+    .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn] [--factors 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
-        [--selection benchmarks/results/goodput.json]
+        [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
 
-auto (simulated, MNIST-1D CNN, 5 epochs, evaluated every 0.5 virtual s, its defaults but the
+auto (simulated, the workload's epochs, evaluated every 0.5 virtual s, its defaults but the
 factor) against the tuned fastest device alone, per target: the lone device's setting is the
 one goodput.py's tuning picked on these seeds, and its time to the target on each seed is the
 selection run's, read from the results file of goodput.py (`--selection`). Only selection
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
-benchmarks/results/goodput_factor.{json,md}: per cluster, target and factor, the median (and
-per-seed values) of lone TTA / auto TTA, and auto's final accuracy.
+benchmarks/results/goodput_factor{,_gpt}.{json,md}: per cluster, target and factor, the median
+(and per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss
+for text-gpt)
 """
 
 from __future__ import annotations
@@ -27,25 +28,25 @@ from typing import Any
 from common import results_dir
 from goodput import BASE_BATCH, WORKLOADS, final_metric, lone_key, pick, run_job, tta
 
-WORKLOAD = "mnist1d-cnn"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mnist1d-cnn")
     ap.add_argument("--factors", nargs="+", type=float, default=[1.0, 2.0, 3.0, 5.0])
     ap.add_argument("--clusters", nargs="+", default=["hetero-4", "hetero-8", "geo-16", "lab-6"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--selection", type=Path,
-                    default=Path(__file__).parent / "results" / "goodput.json")
+    ap.add_argument("--selection", type=Path, default=None,
+                    help="goodput.py's results file of the workload (default: its own)")
     args = ap.parse_args()
-    saved = json.loads(args.selection.read_text())
-    if saved.get("workload", WORKLOAD) != WORKLOAD or not set(args.seeds) <= set(
+    spec = WORKLOADS[args.workload]
+    selection = args.selection or Path(__file__).parent / "results" / f"{spec['out']}.json"
+    saved = json.loads(selection.read_text())
+    if saved.get("workload", "mnist1d-cnn") != args.workload or not set(args.seeds) <= set(
             saved["select_seeds"]):
-        sys.exit(f"goodput_factor: {args.selection} must be goodput.py's {WORKLOAD} results "
+        sys.exit(f"goodput_factor: {selection} must be goodput.py's {args.workload} results "
                  f"with selection seeds {args.seeds}")
-    spec = WORKLOADS[WORKLOAD]
-    jobs = [{"system": "auto", "workload": WORKLOAD, "cluster": c, "seed": s,
+    jobs = [{"system": "auto", "workload": args.workload, "cluster": c, "seed": s,
              "batch": BASE_BATCH, "lr": spec["optimizer"]["lr"], "epochs": spec["epochs"],
              "stop_target": 0.0, "max_time_s": 0.0, "options": {"noise_scale_factor": f}}
             for f in args.factors for c in args.clusters for s in args.seeds]
@@ -61,19 +62,23 @@ def main() -> None:
             for f in args.factors:
                 autos = {r["seed"]: r for r in runs if r["cluster"] == c
                          and r["options"]["noise_scale_factor"] == f}
-                ratios = [lone[s] / tta(autos[s]["rows"], t) for s in args.seeds]
+                ratios = [lone[s] / tta(autos[s]["rows"], t, spec["metric"])
+                          for s in args.seeds]
                 cells.append({"cluster": c, "target": t, "factor": f,
                               "lone_setting": [batch, lr], "auto_vs_lone": ratios,
                               "median": statistics.median(ratios),
-                              "final_auto": [final_metric(autos[s]["rows"]) for s in args.seeds]})
+                              "final_auto": [final_metric(autos[s]["rows"], spec["metric"])
+                                             for s in args.seeds]})
     command = "python benchmarks/goodput_factor.py " + " ".join(sys.argv[1:])
     out = results_dir()
     out.mkdir(exist_ok=True)
-    (out / "goodput_factor.json").write_text(json.dumps(
-        {"command": command, "seeds": args.seeds, "cells": cells,
+    name = spec["out"].replace("goodput", "goodput_factor")
+    (out / f"{name}.json").write_text(json.dumps(
+        {"command": command, "workload": args.workload, "seeds": args.seeds, "cells": cells,
          "runs": [{k: r[k] for k in ("cluster", "seed", "options", "rows", "strategy_stats")}
                   for r in runs]}, indent=1, default=str))
-    lines = ["# auto's noise_scale_factor on the selection seeds (simulated, MNIST-1D CNN)\n",
+    lines = [f"# auto's noise_scale_factor on the selection seeds (simulated, {args.workload})"
+             "\n",
              f"Command: `{command}`\n",
              f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
              "(per seed); the lone TTAs are the selection runs of goodput.py's results file.\n",
@@ -85,7 +90,7 @@ def main() -> None:
             f"{x['median']:.2f} ({', '.join(f'{v:.2f}' for v in x['auto_vs_lone'])})"
             for x in row) + " |")
     text = "\n".join(lines) + "\n"
-    (out / "goodput_factor.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     print(text)
 
 
