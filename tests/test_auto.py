@@ -140,6 +140,22 @@ def test_adam_scales_the_lr_by_the_square_root_of_the_gain() -> None:
     assert adam.lr_scale == pytest.approx(min(2.0, (adam.global_batch / 32) ** 0.5), rel=1e-3)
 
 
+@pytest.mark.parametrize(("optimizer", "option", "factor"),
+                         [("sgd", 0.0, 3.0), ("adamw", 0.0, 1.0), ("adamw", 2.0, 2.0)])
+def test_the_planner_scales_the_measured_noise_by_the_lr_rules_factor(
+        optimizer: str, option: float, factor: float) -> None:
+    """noise_scale_factor 0: 3x the measured B_simple for SGD, 1x for Adam-type (each chosen
+    on its workload's selection seeds); a set factor is used as given."""
+    from dataclasses import replace
+
+    s = make_strategy("auto", noise_scale_factor=option)
+    s.setup(replace(_ctx(preset("hetero-4")), optimizer=optimizer))
+    _run_rounds(s, 60, noise=200.0)
+    measured = s.noise.noise_scale
+    assert measured == pytest.approx(200.0, rel=0.2)
+    assert s._stat().noise_scale == pytest.approx(factor * measured)
+
+
 def test_a_lost_worker_is_planned_out() -> None:
     s = make_strategy("auto")
     s.setup(_ctx(preset("hetero-4")))

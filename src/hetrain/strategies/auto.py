@@ -21,8 +21,8 @@ How it runs:
     the planner prices; on the simulator the two agree, on real processes a PS message costs
     milliseconds that no cluster file lists, and small rounds on many devices stop paying;
     every `replan_every_epochs` the planner searches G and H again at the measured noise scale
-    times `noise_scale_factor` (the PS stays put) and switches only if the new plan's
-    predicted goodput beats the current plan's, re-evaluated at the same noise scale, by
+    times `noise_scale_factor` (3 for SGD, 1 for Adam-type; the PS stays put) and switches
+    only if the new plan's predicted goodput beats the current plan's, re-evaluated at the same noise scale, by
     `hysteresis` (no flapping); a switch grows G, and the round's samples G x H, by at most
     `max_batch_growth`.
   * a round whose training loss blows up (`divergence_factor`) is discarded and the plan
@@ -74,14 +74,17 @@ class Auto(CADP):
     noise_scale: Annotated[float, non_negative().with_note("0: train.batch_size")] = 0.0
     """Prior noise scale (samples, in the planner's terms: after noise_scale_factor) for the
     plans before enough probes; 0: train.batch_size."""
-    noise_scale_factor: Annotated[float, positive()] = 3.0
+    noise_scale_factor: Annotated[float, non_negative().with_note(
+        "0: 3 with the adascale lr rule, 1 with sqrt")] = 0.0
     """The planner's noise scale is this multiple of the measured simple noise scale
     B_simple (McCandlish et al. relate B_simple to the critical batch only up to a factor of
-    order 1-10). At 1 the MNIST-1D plans kept G at 8 for up to 1.5 epochs on hetero-4; 3 was
-    the best of 1, 2, 3, 5 on the goodput benchmark's selection seeds, fastest or tied in 6
-    of 8 cells (hetero-4 to 90%:
-    1.72x, 1.88x, 1.96x, 1.75x the tuned lone device; lab-6: 1.74x, 1.74x, 1.83x, 1.74x;
-    benchmarks/goodput_factor.py, results/goodput_factor.md)."""
+    order 1-10); 0: by the lr rule, chosen on the goodput benchmark's selection seeds
+    (benchmarks/goodput_factor.py). SGD (adascale): 3, the best of 1, 2, 3, 5 on MNIST-1D,
+    fastest or tied in 6 of 8 cells (hetero-4 to 90%: 1.72x, 1.88x, 1.96x, 1.75x the tuned
+    lone device; at 1 the plans kept G at 8 for up to 1.5 epochs; results/goodput_factor.md).
+    Adam/AdamW (sqrt): 1; on the tiny GPT 3 reached the targets no sooner (hetero-8, lab-6)
+    and its larger batches (G 128 on hetero-8) ended 0-0.17 nats of test loss above 1's,
+    median 0.11 (results/goodput_factor_gpt.json)."""
     min_batch: Annotated[int, integer(1, 10**9)] = 8
     """Smallest global batch the planner considers."""
     max_batch: Annotated[int, integer(0, 10**9).with_note("0: auto")] = 0
@@ -188,12 +191,17 @@ class Auto(CADP):
         """The statistical model at the current noise estimate (the prior before any probe)."""
         measured = self.noise.noise_scale if self.noise.probes >= self.min_probes else None
         if measured is not None:
-            self._last_noise = measured * self.noise_scale_factor
+            self._last_noise = measured * self._noise_factor
         # an estimate that dips to none (the |G|^2 average briefly <= 0 near an optimum, where
         # the probes are mostly noise) keeps the last one rather than falling back to the prior
         return StatModel(self._last_noise or self._prior, self._base_batch,
                          self.local_step_penalty, self.min_device_batch, self.max_lr_scale,
                          self._lr_exponent)
+
+    @property
+    def _noise_factor(self) -> float:
+        """noise_scale_factor, or by the lr rule when it is 0 (see the option)."""
+        return self.noise_scale_factor or (3.0 if self._lr_exponent == 1.0 else 1.0)
 
     def _costs(self) -> Costs:
         """The round costs to plan with: the model's links, measured compute per sample."""
