@@ -22,9 +22,9 @@ How it runs:
     milliseconds that no cluster file lists, and small rounds on many devices stop paying;
     every `replan_every_epochs` the planner searches G and H again at the measured noise scale
     times `noise_scale_factor` (3 for SGD, 1 for Adam-type; the PS stays put) and switches
-    only if the new plan's predicted goodput beats the current plan's, re-evaluated at the same noise scale, by
-    `hysteresis` (no flapping); a switch grows G, and the round's samples G x H, by at most
-    `max_batch_growth`.
+    only if the new plan's predicted goodput beats the current plan's, re-evaluated at the
+    same noise scale, by `hysteresis` (no flapping); a switch grows G, and the round's samples
+    G x H, by at most `max_batch_growth`.
   * a round whose training loss blows up (`divergence_factor`) is discarded and the plan
     backs off to the one before.
   * the learning rate is AdaScale's gain for G at the noise scale of the plan switch that set
