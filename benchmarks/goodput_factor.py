@@ -11,7 +11,7 @@ selection run's, read from the results file of goodput.py (`--selection`). Only 
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
 benchmarks/results/goodput_factor{,_gpt}.{json,md}: per cluster, target and factor, the median
 (and per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss
-for text-gpt)
+for text-gpt).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common import results_dir
-from goodput import BASE_BATCH, WORKLOADS, final_metric, lone_key, pick, run_job, tta
+from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
 
 def main() -> None:
@@ -46,9 +46,8 @@ def main() -> None:
             saved["select_seeds"]):
         sys.exit(f"goodput_factor: {selection} must be goodput.py's {args.workload} results "
                  f"with selection seeds {args.seeds}")
-    jobs = [{"system": "auto", "workload": args.workload, "cluster": c, "seed": s,
-             "batch": BASE_BATCH, "lr": spec["optimizer"]["lr"], "epochs": spec["epochs"],
-             "stop_target": 0.0, "max_time_s": 0.0, "options": {"noise_scale_factor": f}}
+    as_goodput = argparse.Namespace(workload=args.workload, epochs=0.0)  # its default epochs
+    jobs = [make_job(as_goodput, "auto", c, s) | {"options": {"noise_scale_factor": f}}
             for f in args.factors for c in args.clusters for s in args.seeds]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(run_job, jobs))
