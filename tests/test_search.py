@@ -22,6 +22,7 @@ from hetrain.plan.search import (
     named_assignment,
     search_plan,
     search_stage,
+    template_plan,
 )
 
 SIZES = (8, 16, 64, 256, 1024, 4096)
@@ -186,3 +187,16 @@ def test_search_is_fast_for_a_12_layer_gpt_on_8_devices() -> None:
     res = search_plan(g, homogeneous(8))
     assert time.perf_counter() - t0 < 10  # benchmark target 1 s; generous on a shared CI box
     assert res.report.feasible
+
+
+def test_alike_devices_with_nothing_to_gain_give_one_device_not_a_replicated_four() -> None:
+    """A replicated plan on four alike devices takes as long as on one; the search keeps the
+    one (the other three stay free) instead of whichever the candidate list met first."""
+    site = Site("dc", Link(0.01 * GBIT, 0.5), Link(0.01 * GBIT, 0.5))  # costs more than any
+    c = Cluster("slow", tuple(Device(f"d{i}", 2e9, site="dc") for i in range(4)), (site,))
+    g = _mlp(8, 32)  # split of this small model saves
+    res = search_plan(g, c, SearchOptions(pipeline=False))
+    rep4 = plan_cost(g, template_plan(g, Mesh((4,), (0, 1, 2, 3)), "rep"), c)
+    assert rep4.time_s == pytest.approx(res.report.time_s, rel=1e-12)  # the tie the rule breaks
+    assert [st.mesh.devices for st in res.plan.stages] == [(0,)]
+    assert any(d.startswith("mesh 4 ") for d, *_ in res.candidates)  # it was tried

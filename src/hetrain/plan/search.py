@@ -10,16 +10,16 @@ assignments keep the best. Memory is a hard limit: a score is the time when the 
 else 1e12 + the excess bytes, so any feasible plan beats every infeasible one.
 
 The outer search tries candidate meshes (1-D over all devices, sites x local 2-D meshes with
-the inner axis inside a site, 2-D factorisations of a single site, each site alone, the
-fastest 2^k devices: a lockstep mesh runs at its slowest member's pace, and the 2^k with
-the most memory when memory differs) and GPipe pipelines
-(equal-sized device groups by site, by speed or by memory; layers cut only where the pipeline
-executor can cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and
-the exact min-max split of the cost model's per-op stage times under each group's memory cap,
-so a slower or smaller device's stage gets fewer layers), and returns the fastest plan that
-fits every device's memory (memory_bytes) with the data-parallel baseline. When no candidate
-fits, search_plan raises one ConfigError line with the leanest plan's need, its device's cap,
-the shortfall and the largest device's memory.
+the inner axis inside a site, 2-D factorisations of a single site, each site alone, the fastest
+2^k devices: a lockstep mesh runs at its slowest member's pace, the 2^k with the most memory
+when memory differs, the first 2^k when every device is alike) and GPipe pipelines (equal-sized
+device groups by site, by speed or by memory; layers cut only where the pipeline executor can
+cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and the exact
+min-max split of the cost model's per-op stage times under each group's memory cap, so a slower
+or smaller device's stage gets fewer layers), and returns the fastest plan that fits every
+device's memory (memory_bytes), of equal times the one on the fewest devices, with the
+data-parallel baseline. When no candidate fits, search_plan raises one ConfigError line with
+the leanest plan's need, its device's cap, the shortfall and the largest device's memory.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class SearchOptions:
     """Also try GPipe pipelines over device groups."""
     subsets: bool = True
     """Also try meshes over the fastest devices only, over those with the most memory (when
-    memory differs) and over single sites."""
+    memory differs), over the first 2^k when all are alike, and over single sites."""
     seed: int = 0
 
 
@@ -225,6 +225,8 @@ def candidate_meshes(cluster: Cluster, subsets: bool = True) -> list[Mesh]:
         if len({d.memory_bytes for d in devs}) > 1:  # the devices with the most room
             rankings.append(sorted(range(n),
                                    key=lambda i: (-devs[i].memory_bytes, -devs[i].flops, i)))
+        if not rankings:  # every device alike: the first 2^k (a replicated plan on one
+            rankings.append(list(order))  # device runs as fast and leaves the rest free)
         for best in rankings:
             k = 1
             while k < n:
@@ -371,10 +373,22 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
     if not rank[0][0].feasible:
         raise ConfigError(_shortfall(graph, cluster, rank[0][0], rank[0][2], len(reports),
                                      cost_options))
+    tied = [r for r in rank if r[0].feasible and r[0].time_s <= rank[0][0].time_s * (1 + _TIE)]
+    rank[0] = min(tied, key=lambda r: _devices_used(r[1]))  # stable: the first of the fewest
     base = data_parallel_plan(graph, cluster, options=cost_options)
     return SearchResult(rank[0][1], rank[0][0], base, plan_cost(graph, base, cluster, cost_options),
                         tuple((d, r.time_s, r.feasible) for r, _, d in reports),
                         time.perf_counter() - t0, tuple(p for _, p, _ in reports))
+
+
+_TIE = 1e-12
+"""Relative difference in predicted time below which two plans tie (float rounding): of tied
+plans the search keeps the one on the fewest devices, e.g. one device rather than the same
+replicated plan on four, which takes as long and occupies the other three."""
+
+
+def _devices_used(plan: Plan) -> int:
+    return sum(len(st.mesh.devices) for st in plan.stages)
 
 
 def _gib(nbytes: float) -> str:
