@@ -96,11 +96,26 @@ class CostOptions:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Ops (by name, contiguous in the graph) on one mesh, each with its signature name."""
+    """Ops (by name, contiguous in the graph) on one mesh, each with its signature name.
+
+    `shares` (uneven data parallelism, one-stage plans only): samples of each batch that the
+    devices at each index of mesh axis 0 process, in axis order, summing to the batch; every
+    op is "dp" on axis 0. Empty: an even split (DTensor's Shard(0))."""
 
     mesh: Mesh
     ops: tuple[str, ...]
     signatures: tuple[str, ...]
+    shares: tuple[int, ...] = ()
+
+    def rows(self) -> list[tuple[int, ...]]:
+        """The devices at each index of mesh axis 0 (row-major: a row of the inner axis)."""
+        k = len(self.mesh.devices) // self.mesh.shape[0]
+        return [self.mesh.devices[j * k:(j + 1) * k] for j in range(self.mesh.shape[0])]
+
+    def inner_signatures(self) -> tuple[str, ...]:
+        """The signatures without their axis-0 part ("dp,col" -> "col"; 1-D "dp" -> "dp" on a
+        one-device mesh): what each row of an uneven plan runs on its own devices."""
+        return tuple(s.split(",", 1)[1] if "," in s else s for s in self.signatures)
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"graph": self.graph, "n_micro": self.n_micro, "stages": [
             {"mesh_shape": list(s.mesh.shape), "devices": list(s.mesh.devices),
-             "ops": list(s.ops), "signatures": list(s.signatures)} for s in self.stages]}
+             "ops": list(s.ops), "signatures": list(s.signatures),
+             **({"shares": list(s.shares)} if s.shares else {})} for s in self.stages]}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Plan:
@@ -148,11 +164,13 @@ class Plan:
                 if not isinstance(s, dict):
                     raise TypeError("every stage must be a table")
                 st = StagePlan(Mesh(ints(s["mesh_shape"]), ints(s["devices"])), strs(s["ops"]),
-                               strs(s["signatures"]))
+                               strs(s["signatures"]), ints(s.get("shares", [])))
                 if len(st.ops) != len(st.signatures):
                     raise TypeError("a stage needs one signature per op")
                 stages.append(st)
-            return Plan(str(d["graph"]), tuple(stages), n_micro)
+            plan = Plan(str(d["graph"]), tuple(stages), n_micro)
+            check_shares(plan)
+            return plan
         except KeyError as e:
             raise ConfigError(f"plan: missing key {e}; expected graph, stages [{{mesh_shape, "
                               "devices, ops, signatures}], n_micro") from None
@@ -171,6 +189,25 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         return read_plan_file(path)[0]
+
+
+def check_shares(plan: Plan, batch: int | None = None) -> None:
+    """Uneven shares are legal: one stage, one share >= 1 per index of mesh axis 0, every op
+    data parallel on axis 0 and, given the batch, shares summing to it. Raises TypeError
+    (Plan.from_dict turns it into one ConfigError line)."""
+    for st in plan.stages:
+        if not st.shares:
+            continue
+        if len(plan.stages) > 1 or plan.n_micro > 1:
+            raise TypeError("uneven shares apply to one-stage plans only")
+        if len(st.shares) != st.mesh.shape[0] or min(st.shares) < 1:
+            raise TypeError(f"shares {list(st.shares)} need one count >= 1 per index of mesh "
+                            f"axis 0 ({st.mesh.shape[0]})")
+        if any(s.split(",")[0] != "dp" for s in st.signatures):
+            raise TypeError("uneven shares need every op data parallel ('dp') on mesh axis 0")
+        if batch is not None and sum(st.shares) != batch:
+            raise TypeError(f"shares {list(st.shares)} sum to {sum(st.shares)}, not the batch "
+                            f"{batch}")
 
 
 PLAN_FORMAT = 1
