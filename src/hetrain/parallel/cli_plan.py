@@ -214,6 +214,9 @@ def _print_tables(con: Console, res: SearchResult, graph: LayerGraph, cluster: s
 
 
 def _layout(plan: Any, rep: CostReport) -> str:
-    stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}" for st in plan.stages)
+    stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}"
+                        + (f", batch shares {list(st.shares)} (uneven data parallel: per "
+                           "index of mesh axis 0, by speed and memory)" if st.shares else "")
+                        for st in plan.stages)
     return stages + (f", {plan.n_micro} micro-batches (bubble {rep.bubble_s:.3g} s)"
                      if len(plan.stages) > 1 else "")

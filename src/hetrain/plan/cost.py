@@ -453,6 +453,8 @@ def stage_tables(graph: LayerGraph, mesh: Mesh, cluster: Cluster,
 def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
               options: CostOptions | None = None) -> CostReport:
     """Predicted iteration time and per-device memory of `plan` (see the module docstring)."""
+    if plan.stages[0].shares:
+        return uneven_cost(graph, plan, cluster, options)
     m, k = plan.n_micro, len(plan.stages)
     if m < 1 or graph.batch % m:
         raise ConfigError(f"batch {graph.batch} is not divisible by n_micro={m}")
@@ -479,6 +481,64 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     worst = max(range(k), key=lambda j: mems[j] - limits[j])
     return CostReport(time_s, sum(o.compute_s for o in ops) * m, sum(o.comm_s for o in ops) * m,
                       max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
+
+
+def row_tables(graph: LayerGraph, st: StagePlan, row: tuple[int, ...], share: float,
+               cluster: Cluster, options: CostOptions | None = None) -> StageTables:
+    """Tables of one row of an uneven plan: the graph at `share` samples on the row's devices
+    (1-D plans: one device)."""
+    return stage_tables(graph.scaled(share / graph.batch), Mesh((len(row),), row), cluster, options)
+
+
+def _outer_sync_s(op: Op, inner: NdSignature, comm: Any) -> float:
+    """All-reduce over mesh axis 0 of one row member's gradient shard (weight, then bias)."""
+    w = inner.weight
+    if w is None:
+        return 0.0
+    ms = comm.mesh.shape[1:] or (1,)
+    wsplit = math.prod(p for p, x in zip(ms, w, strict=True) if isinstance(x, Split))
+    t = comm.collective_s("all_reduce", 0, math.prod(op.weight_shape) * op.dtype_bytes / wsplit)
+    bias = _bias_of(op, w)
+    if bias is not None:
+        bsplit = math.prod(p for p, x in zip(ms, bias[1], strict=True) if isinstance(x, Split))
+        t += comm.collective_s("all_reduce", 0, bias[0][0] * op.dtype_bytes / bsplit)
+    return t
+
+
+def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
+                options: CostOptions | None = None) -> CostReport:
+    """Uneven data parallelism (StagePlan.shares), as parallel.uneven runs it: row j computes
+    its share alone (its own tables at shares[j] samples, its inner signatures on its devices),
+    then every parameter's gradient shard is all-reduced over mesh axis 0, one call per
+    tensor. T = max_j (row j's compute, inner communication and step overhead) + inner sync
+    + outer all-reduce. Each row's memory must fit its smallest member."""
+    try:
+        check_shares(plan, graph.batch)
+    except TypeError as e:
+        raise ConfigError(f"plan: {e}") from None
+    st = plan.stages[0]
+    if tuple(op.name for op in graph.ops) != st.ops:
+        raise ConfigError(f"plan stage ops do not match graph '{graph.name}'")
+    inner = st.inner_signatures()
+    o = options or CostOptions()
+    comm = mesh_comm(cluster, st.mesh, o.collective_factors, o.collective_call_s)
+    rows = []
+    for row, share in zip(st.rows(), st.shares, strict=True):
+        tab = row_tables(graph, st, row, share, cluster, options)
+        a = tab.index_of(inner)
+        oc = tab.op_costs(a)
+        sync = sum(x.sync_s for x in oc)
+        rows.append((tab.time_s(a) - sync, sync, tab, a, oc))  # with the row's step overhead
+    slow = max(range(len(rows)), key=lambda j: rows[j][0])
+    t_slow, _, tab, a, oc = rows[slow]
+    outer = [_outer_sync_s(op, tab.sigs[i][a[i]], comm) for i, op in enumerate(graph.ops)]
+    sync = max(r[1] for r in rows) + sum(outer)
+    ops = tuple(replace(x, signature=name, sync_s=x.sync_s + so)
+                for x, name, so in zip(oc, st.signatures, outer, strict=True))
+    excess = [(r[2].memory_bytes(r[3]), r[2].memory_limit_bytes) for r in rows]
+    mem, limit = max(excess, key=lambda e: e[0] - e[1])
+    return CostReport(t_slow + sync, sum(x.compute_s for x in oc),
+                      sum(x.comm_s for x in oc), sync, 0.0, mem, limit, ops)
 
 
 def micro_memory(tab: StageTables, m: int) -> list[np.ndarray]:

@@ -28,7 +28,7 @@ import copy
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -43,10 +43,12 @@ from hetrain.plan.cost import (
     _boundary_link_s,
     micro_memory,
     plan_cost,
+    row_tables,
     stage_tables,
 )
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
+from hetrain.plan.shares import balanced_shares, rows_differ
 from hetrain.plan.split import min_max_split
 
 INFEASIBLE = 1e12
@@ -64,6 +66,8 @@ class SearchOptions:
     subsets: bool = True
     """Also try meshes over the fastest devices only, over those with the most memory (when
     memory differs), over the first 2^k when all are alike, and over single sites."""
+    uneven: bool = True
+    """Also try uneven data-parallel batch shares over mesh axis 0 where its rows differ."""
     seed: int = 0
 
 
@@ -326,6 +330,28 @@ def data_parallel_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh | None = 
     return to_plan(graph, [(tab, named_assignment(tab, ("dp", "rep")))])
 
 
+def uneven_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh, o: SearchOptions,
+                cost_options: CostOptions | None) -> Plan | None:
+    """Data parallel over mesh axis 0 with speed- and memory-balanced shares (plan.shares);
+    on a 2-D mesh each row runs the inner plan searched for the slowest row at an even share.
+    None when no balanced split exists."""
+    ops = tuple(op.name for op in graph.ops)
+    if len(mesh.shape) == 1:
+        stage = StagePlan(mesh, ops, ("dp",) * len(ops))
+    else:
+        rows = StagePlan(mesh, ops, ("dp",) * len(ops)).rows()
+        slowest = min(rows, key=lambda r: min(cluster.devices[d].flops for d in r))
+        try:
+            tab = row_tables(graph, StagePlan(mesh, ops, ()), slowest,
+                             graph.batch // mesh.shape[0], cluster, cost_options)
+        except ConfigError:
+            return None
+        a, _ = search_stage(tab, o)
+        stage = StagePlan(mesh, ops, tuple(f"dp,{tab.sigs[i][s].name}" for i, s in enumerate(a)))
+    shares = balanced_shares(graph, stage, cluster, cost_options)
+    return None if shares is None else Plan(graph.name, (replace(stage, shares=shares),))
+
+
 def to_plan(graph: LayerGraph, stages: list[tuple[StageTables, list[int]]], n_micro: int = 1) -> Plan:
     return Plan(graph.name, tuple(StagePlan(t.mesh, tuple(op.name for op in t.graph.ops),
                                             tuple(t.sigs[i][s].name for i, s in enumerate(a)))
@@ -362,6 +388,11 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
             continue
         a, _ = search_stage(tab, o)
         found.append((to_plan(graph, [(tab, a)]), f"mesh {mesh.label} {list(mesh.devices)}"))
+        if o.uneven and rows_differ(cluster, mesh):
+            uneven = uneven_plan(graph, cluster, mesh, o, cost_options)
+            if uneven is not None:
+                found.append((uneven, f"mesh {mesh.label} {list(mesh.devices)} uneven shares "
+                              f"{list(uneven.stages[0].shares)}"))
     if o.pipeline:
         for groups in _pipeline_groups(cluster):
             found += _search_pipeline(graph, cluster, groups, o, cost_options)
