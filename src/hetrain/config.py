@@ -271,6 +271,9 @@ class ParallelConfig:
     """plan = "auto": also consider meshes over some of the devices (the others then idle)."""
     restarts: int = 4
     """plan = "auto": coordinate-descent starts per candidate mesh."""
+    uneven: bool = True
+    """plan = "auto": also consider data parallelism with uneven batch shares, sized to the
+    devices' speeds and memory (where the devices of a mesh differ)."""
     eval_batch_size: int = 256
     """Samples per forward pass when rank 0 evaluates the test split."""
 

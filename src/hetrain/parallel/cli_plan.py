@@ -107,6 +107,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pipeline", action="store_true", help="do not consider pipelines")
     parser.add_argument("--no-subsets", action="store_true",
                         help="always use every device (no fastest-subset or single-site meshes)")
+    parser.add_argument("--no-uneven", action="store_true",
+                        help="do not consider uneven data-parallel batch shares")
     parser.add_argument("--restarts", type=int, default=4, help="coordinate-descent starts per mesh")
     parser.add_argument("--optimizer-states", type=float, default=2.0,
                         help="optimizer state bytes per parameter byte (Adam 2, SGD 0)")
@@ -120,12 +122,13 @@ def plan_from_args(args: argparse.Namespace, console: Console | None = None) -> 
                           "--goodput [CONFIG] (the auto strategy's time-to-accuracy plan)")
     return plan_command(args.cluster, args.model, batch=args.batch, model_options=args.model_option,
                         pipeline=not args.no_pipeline, subsets=not args.no_subsets,
-                        restarts=args.restarts, optimizer_states=args.optimizer_states,
+                        uneven=not args.no_uneven, restarts=args.restarts, optimizer_states=args.optimizer_states,
                         out=args.out, as_json=args.json, console=console)
 
 
 def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Sequence[str] = (),
-                 pipeline: bool = True, subsets: bool = True, restarts: int = 4,
+                 pipeline: bool = True, subsets: bool = True, uneven: bool = True,
+                 restarts: int = 4,
                  optimizer_states: float = 2.0, out: str | None = None, as_json: bool = False,
                  console: Console | None = None) -> int:
     """Search, print (tables or JSON), optionally save the plan; returns the exit code."""
@@ -137,7 +140,8 @@ def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Se
         check_output_file(out, "--out")
     cl = load_cluster(cluster)
     graph = model_graph(model, batch, _parse_options(model_options))
-    res = search_plan(graph, cl, SearchOptions(restarts=restarts, pipeline=pipeline, subsets=subsets),
+    res = search_plan(graph, cl, SearchOptions(restarts=restarts, pipeline=pipeline,
+                                               subsets=subsets, uneven=uneven),
                       CostOptions(optimizer_states=optimizer_states))
     if out:
         res.plan.save(out, plan_meta(graph, cl, model, _parse_options(model_options),
