@@ -57,7 +57,14 @@ from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import OptimizerConfig, RunConfig
 from hetrain.engine import codec
 from hetrain.errors import ConfigError
-from hetrain.plan.cost import CostOptions, Plan, plan_cost, read_plan_file, stage_graphs
+from hetrain.plan.cost import (
+    CostOptions,
+    Plan,
+    check_shares,
+    plan_cost,
+    read_plan_file,
+    stage_graphs,
+)
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
 from hetrain.plan.search import SearchOptions, _gib, search_plan
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -209,6 +216,8 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
         plan = _plan_file(par.plan, graph, cluster, cfg.workload.model)
     if len(plan.stages) > 1 and par.n_micro:
         plan = dataclasses.replace(plan, n_micro=par.n_micro)
+    if any(st.shares for st in plan.stages):
+        _check_uneven(graph, plan)  # shares that do not fit the batch: before pricing them
     report = plan_cost(graph, plan, cluster, copts)
     if not report.feasible:
         raise ConfigError(f"the plan ({_layout(plan)}) needs {_gib(report.memory_bytes)} on a "
@@ -223,11 +232,37 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
 
 def _layout(plan: Plan) -> str:
     stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}"
+                        + (f", batch shares {list(st.shares)}" if st.shares else "")
                         for st in plan.stages)
     return stages + (f", {plan.n_micro} micro-batches" if len(plan.stages) > 1 else "")
 
 
+def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
+    """A plan with batch shares: legal shares for this batch and, on a 2-D mesh, inner
+    signatures that every row can run on its share (a split of the batch must divide it:
+    checked at the largest and the smallest share)."""
+    try:
+        check_shares(plan, graph.batch)
+    except TypeError as e:
+        raise ConfigError(f"plan: {e}") from None
+    st = plan.stages[0]
+    if len(st.mesh.shape) == 1:
+        return  # every row is one device running the plain model
+    from hetrain.parallel.execute import resolve_signatures
+    from hetrain.parallel.uneven import row_plan
+
+    for share in sorted({max(st.shares), min(st.shares)}):
+        try:
+            resolve_signatures(graph.scaled(share / graph.batch), row_plan(plan))
+        except ConfigError as e:
+            raise ConfigError(f"plan: a row's share of {share} samples cannot run the inner "
+                              f"signatures: {e}") from None
+
+
 def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule: str) -> None:
+    if any(st.shares for st in plan.stages):
+        _check_uneven(graph, plan)
+        return
     if len(plan.stages) == 1:
         from hetrain.parallel.execute import resolve_signatures
 
