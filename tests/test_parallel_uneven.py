@@ -218,3 +218,39 @@ def test_shares_that_do_not_fit_the_batch_or_the_row_mesh_are_refused() -> None:
     with pytest.raises(ConfigError, match="share of 1 samples") as e:
         _check_executable(model, g, _with_shares(dpdp, 7, 1), "gpipe")
     assert len(str(e.value).splitlines()) == 1
+
+
+# ---- hetrain run ------------------------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> None:
+    """A slow and a three times faster device, each holding the model: the plan file gives
+    the fast one 6 of every 8 samples. The run evaluates, checkpoints and summarises, and
+    trains like the even data-parallel plan (same batches, same mean loss)."""
+    from test_parallel_run import hetrain, rows, vocab, write_config
+
+    devices = ('{ name = "slow", flops = 1e9, memory_bytes = 2000000 }, '
+               '{ name = "fast", flops = 3e9, memory_bytes = 2000000 }')
+    graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
+    even = template_plan(graph, Mesh((2,), (0, 1)), "dp")
+    got = {}
+    for name, plan in (("shares", _with_shares(even, 2, 6)), ("even", even)):
+        plan.save(tmp_path / f"{name}.json", {"devices": 2})
+        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
+                           devices=devices)
+        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
+                    "--no-plot")
+        assert r.returncode == 0, r.stderr
+        got[name] = rows(tmp_path / "runs" / name)
+    run_dir = tmp_path / "runs" / "shares"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parallel"]["plan"]["stages"][0]["shares"] == [2, 6]
+    assert summary["parallel"]["layout"] == "mesh 2 on devices [0, 1], batch shares [2, 6]"
+    uneven = got["shares"]
+    assert len(uneven) == 2 and uneven[-1]["updates"] == 29 and uneven[-1]["samples"] == 29 * 8
+    assert uneven[-1]["test_loss"] < uneven[0]["test_loss"] < 4.0  # ln(92) = 4.5 at the start
+    for key in ("test_loss", "train_loss"):
+        assert [x[key] for x in uneven] == pytest.approx([x[key] for x in got["even"]], rel=1e-4)
+    ck = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert ck["model"]["head.weight"].shape == (vocab(), 32)
+    assert set(ck["optimizer"]["state"]) == set(ck["model"])
