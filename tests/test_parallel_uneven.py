@@ -202,6 +202,18 @@ def test_bad_shares_in_a_plan_file_fail_in_one_line(tmp_path: Path, change, word
     assert len(str(e.value).splitlines()) == 1 and str(path) in str(e.value)
 
 
+def test_each_device_is_credited_its_rows_share_of_the_samples() -> None:
+    from hetrain.parallel.train import _worker_times
+    from hetrain.report.metrics import MetricsLog, WorkerTimes
+
+    log = MetricsLog("t", [WorkerTimes(f"d{i}") for i in range(5)], None)
+    g = gpt_graph(1, 32, 4, 32, 16, 8)
+    _worker_times(log, [1.0] * 5, 2.0, 3 * 8, _with_shares(template_plan(g, M22, "dp-tp"), 5, 3))
+    assert [w.samples for w in log.workers] == [8, 7, 5, 4, 0]  # 15 and 9 over 2 each
+    _worker_times(log, [1.0] * 5, 2.0, 3 * 8, template_plan(g, M22, "dp-tp"))
+    assert [w.samples for w in log.workers] == [5, 5, 5, 5, 4]  # unchanged: even over all
+
+
 def test_shares_that_do_not_fit_the_batch_or_the_row_mesh_are_refused() -> None:
     from hetrain.parallel.train import _check_executable, _layout
 
@@ -246,6 +258,7 @@ def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> Non
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parallel"]["plan"]["stages"][0]["shares"] == [2, 6]
     assert summary["parallel"]["layout"] == "mesh 2 on devices [0, 1], batch shares [2, 6]"
+    assert [w["samples"] for w in summary["workers"]] == [29 * 2, 29 * 6]
     uneven = got["shares"]
     assert len(uneven) == 2 and uneven[-1]["updates"] == 29 and uneven[-1]["samples"] == 29 * 8
     assert uneven[-1]["test_loss"] < uneven[0]["test_loss"] < 4.0  # ln(92) = 4.5 at the start

@@ -687,7 +687,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                             if flags[_EVAL]:
                                 row = _evaluate(log, reference, weights, workload, cfg, step,
                                                 elapsed, loss_sum / max(loss_n, 1), busy_all,
-                                                n_train)
+                                                n_train, plan)
                                 loss_sum, loss_n = 0.0, 0
                                 while next_eval <= (elapsed if cfg.train.eval_every_s
                                                     else step * batch):
@@ -763,27 +763,37 @@ def _eval_interval(cfg: RunConfig, n_train: int) -> float:
 
 def _evaluate(log: MetricsLog, reference: nn.Module, weights: dict[str, Tensor],
               workload: Workload, cfg: RunConfig, step: int, elapsed: float, train_loss: float,
-              busy: list[float], n_train: int) -> dict[str, Any]:
+              busy: list[float], n_train: int, plan: Plan | None = None) -> dict[str, Any]:
     assert cfg.parallel is not None
     reference.load_state_dict(weights)
     test_loss, acc = evaluate_workload(reference, workload,
                                        batch_size=cfg.parallel.eval_batch_size)
     samples = step * cfg.train.batch_size
-    _worker_times(log, busy, elapsed, samples)
+    _worker_times(log, busy, elapsed, samples, plan)
     return log.record(time_s=elapsed, samples=samples, epoch=samples / n_train, updates=step,
                       test_loss=test_loss, test_accuracy=acc, train_loss=train_loss,
                       bytes_total=0)
 
 
-def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int) -> None:
+def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int,
+                  plan: Plan | None = None) -> None:
     """Per device: seconds inside training steps (compute and communication: they are not
     told apart), the rest idle; the run's samples split evenly over the devices (a plan
-    shares every sample's work among them)."""
+    shares every sample's work among them), or, under batch shares, each row's share split
+    evenly over its devices."""
     n = len(log.workers)
+    counts = [samples // n + (1 if i < samples % n else 0) for i in range(n)]
+    st = plan.stages[0] if plan is not None else None
+    if st is not None and st.shares:
+        counts = [0] * n
+        for share, row in zip(st.shares, st.rows(), strict=True):
+            mine = samples * share // sum(st.shares)
+            for k, d in enumerate(row):
+                counts[d] = mine // len(row) + (1 if k < mine % len(row) else 0)
     for i, w in enumerate(log.workers):
         b = busy[i] if i < len(busy) else 0.0
         w.busy_s, w.comm_s, w.idle_s = b, 0.0, max(0.0, elapsed - b)
-        w.samples = samples // n + (1 if i < samples % n else 0)
+        w.samples = counts[i]
 
 
 def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
@@ -792,9 +802,9 @@ def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
     from hetrain.workloads import flops_per_sample
 
     samples = step * cfg.train.batch_size
-    _worker_times(log, busy, elapsed, samples)
-    fps = flops_per_sample(workload)
     plan = Plan.from_dict(setup.plan)
+    _worker_times(log, busy, elapsed, samples, plan)
+    fps = flops_per_sample(workload)
     extra = {"engine": "dist", "strategy": "parallel", "cluster": cluster.name,
              "workload": workload.name, "n_workers": cluster.n, "flops_per_sample": fps,
              "config": cfg.to_dict(), "stop_reason": stop_reason,
