@@ -17,7 +17,8 @@ Every redistribution the executor makes follows the cost model's cheapest boxing
 
 Modules the graph does not name (position embedding, dropout) keep replicated parameters;
 their plain-tensor inputs are made replicated DTensors. Pipeline plans run in
-parallel.pipeline, plans with uneven batch shares in parallel.uneven; `make_executor` picks the executor a plan needs.
+parallel.pipeline, plans with uneven batch shares in parallel.uneven; `make_executor` picks
+the executor a plan needs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 One process per cluster device, no parameter server. The plan (searched at start-up with the
 cluster's speeds, links and memory caps, or read from a `hetrain plan --out` file) decides
 who holds which parameter shards: a one-stage plan runs with DTensor (execute.PlanExecutor),
-a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor). Rank r is
+a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor), a plan with
+uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). Rank r is
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
 over gloo.
@@ -378,7 +379,8 @@ def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optim
                                                           dict[str, dict[str, Any]],
                                                           list[float]] | None:
     """Rank 0: the whole model's parameters (and optimizer state), and every rank's busy
-    seconds; None on the other ranks. Collective over all ranks."""
+    seconds; None on the other ranks. Collective over all ranks. Replicas (data parallel,
+    every row of a plan with batch shares) are identical: rank 0 keeps the first copy."""
     weights, states = _local_state(model, params, opt if with_optimizer else None)
     parts = gather_to_rank0([weights, states, busy_s])
     if parts is None:
