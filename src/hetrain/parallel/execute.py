@@ -17,7 +17,8 @@ Every redistribution the executor makes follows the cost model's cheapest boxing
 
 Modules the graph does not name (position embedding, dropout) keep replicated parameters;
 their plain-tensor inputs are made replicated DTensors. Pipeline plans run in
-parallel.pipeline; `make_executor` picks the executor a plan needs.
+parallel.pipeline, plans with uneven batch shares in parallel.uneven; `make_executor` picks
+the executor a plan needs.
 """
 
 from __future__ import annotations
@@ -258,13 +259,18 @@ def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
                   comm: MeshComm | None = None, schedule: str = "gpipe",
                   timeout_s: float | None = None) -> Executor:
     """The executor for `plan` on the current process group: PipelineExecutor (with the
-    `schedule`, "gpipe" or "1f1b") for pipeline plans, a PlanExecutor on a device mesh of the
-    plan's shape when the plan spans every rank, else a SubsetExecutor. The plan's device
-    ids are ranks. Call on every rank. `timeout_s`: a pipeline's P2P receive timeout."""
+    `schedule`, "gpipe" or "1f1b") for pipeline plans, an uneven.UnevenExecutor for a plan
+    with batch shares, a PlanExecutor on a device mesh of the plan's shape when the plan
+    spans every rank, else a SubsetExecutor. The plan's device ids are ranks. Call on every
+    rank. `timeout_s`: a pipeline's P2P receive timeout."""
     if len(plan.stages) > 1:
         from hetrain.parallel.pipeline import PipelineExecutor
 
         return PipelineExecutor(model, graph, plan, loss_fn, schedule, timeout_s)
+    if plan.stages[0].shares:
+        from hetrain.parallel.uneven import UnevenExecutor
+
+        return UnevenExecutor(model, graph, plan, loss_fn, cluster)
     devices = plan.stages[0].mesh.devices
     if tuple(devices) != tuple(range(dist.get_world_size())):
         return SubsetExecutor(model, graph, plan, loss_fn, cluster, comm)

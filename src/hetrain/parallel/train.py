@@ -3,7 +3,8 @@
 One process per cluster device, no parameter server. The plan (searched at start-up with the
 cluster's speeds, links and memory caps, or read from a `hetrain plan --out` file) decides
 who holds which parameter shards: a one-stage plan runs with DTensor (execute.PlanExecutor),
-a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor). Rank r is
+a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor), a plan with
+uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). Rank r is
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
 over gloo.
@@ -57,7 +58,14 @@ from hetrain.cluster import Cluster, load_cluster
 from hetrain.config import OptimizerConfig, RunConfig
 from hetrain.engine import codec
 from hetrain.errors import ConfigError
-from hetrain.plan.cost import CostOptions, Plan, plan_cost, read_plan_file, stage_graphs
+from hetrain.plan.cost import (
+    CostOptions,
+    Plan,
+    check_shares,
+    plan_cost,
+    read_plan_file,
+    stage_graphs,
+)
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
 from hetrain.plan.search import SearchOptions, _gib, search_plan
 from hetrain.report.metrics import MetricsLog, RunResult, WorkerTimes
@@ -209,6 +217,8 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
         plan = _plan_file(par.plan, graph, cluster, cfg.workload.model)
     if len(plan.stages) > 1 and par.n_micro:
         plan = dataclasses.replace(plan, n_micro=par.n_micro)
+    if any(st.shares for st in plan.stages):
+        _check_uneven(graph, plan)  # shares that do not fit the batch: before pricing them
     report = plan_cost(graph, plan, cluster, copts)
     if not report.feasible:
         raise ConfigError(f"the plan ({_layout(plan)}) needs {_gib(report.memory_bytes)} on a "
@@ -223,11 +233,37 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
 
 def _layout(plan: Plan) -> str:
     stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}"
+                        + (f", batch shares {list(st.shares)}" if st.shares else "")
                         for st in plan.stages)
     return stages + (f", {plan.n_micro} micro-batches" if len(plan.stages) > 1 else "")
 
 
+def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
+    """A plan with batch shares: legal shares for this batch and, on a 2-D mesh, inner
+    signatures that every row can run on its share (a split of the batch must divide it:
+    checked at the largest and the smallest share)."""
+    try:
+        check_shares(plan, graph.batch)
+    except TypeError as e:
+        raise ConfigError(f"plan: {e}") from None
+    st = plan.stages[0]
+    if len(st.mesh.shape) == 1:
+        return  # every row is one device running the plain model
+    from hetrain.parallel.execute import resolve_signatures
+    from hetrain.parallel.uneven import row_plan
+
+    for share in sorted({max(st.shares), min(st.shares)}):
+        try:
+            resolve_signatures(graph.scaled(share / graph.batch), row_plan(plan))
+        except ConfigError as e:
+            raise ConfigError(f"plan: a row's share of {share} samples cannot run the inner "
+                              f"signatures: {e}") from None
+
+
 def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule: str) -> None:
+    if any(st.shares for st in plan.stages):
+        _check_uneven(graph, plan)
+        return
     if len(plan.stages) == 1:
         from hetrain.parallel.execute import resolve_signatures
 
@@ -343,7 +379,8 @@ def _gather(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optim
                                                           dict[str, dict[str, Any]],
                                                           list[float]] | None:
     """Rank 0: the whole model's parameters (and optimizer state), and every rank's busy
-    seconds; None on the other ranks. Collective over all ranks."""
+    seconds; None on the other ranks. Collective over all ranks. Replicas (data parallel,
+    every row of a plan with batch shares) are identical: rank 0 keeps the first copy."""
     weights, states = _local_state(model, params, opt if with_optimizer else None)
     parts = gather_to_rank0([weights, states, busy_s])
     if parts is None:
@@ -652,7 +689,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                             if flags[_EVAL]:
                                 row = _evaluate(log, reference, weights, workload, cfg, step,
                                                 elapsed, loss_sum / max(loss_n, 1), busy_all,
-                                                n_train)
+                                                n_train, plan)
                                 loss_sum, loss_n = 0.0, 0
                                 while next_eval <= (elapsed if cfg.train.eval_every_s
                                                     else step * batch):
@@ -728,27 +765,37 @@ def _eval_interval(cfg: RunConfig, n_train: int) -> float:
 
 def _evaluate(log: MetricsLog, reference: nn.Module, weights: dict[str, Tensor],
               workload: Workload, cfg: RunConfig, step: int, elapsed: float, train_loss: float,
-              busy: list[float], n_train: int) -> dict[str, Any]:
+              busy: list[float], n_train: int, plan: Plan | None = None) -> dict[str, Any]:
     assert cfg.parallel is not None
     reference.load_state_dict(weights)
     test_loss, acc = evaluate_workload(reference, workload,
                                        batch_size=cfg.parallel.eval_batch_size)
     samples = step * cfg.train.batch_size
-    _worker_times(log, busy, elapsed, samples)
+    _worker_times(log, busy, elapsed, samples, plan)
     return log.record(time_s=elapsed, samples=samples, epoch=samples / n_train, updates=step,
                       test_loss=test_loss, test_accuracy=acc, train_loss=train_loss,
                       bytes_total=0)
 
 
-def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int) -> None:
+def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int,
+                  plan: Plan | None = None) -> None:
     """Per device: seconds inside training steps (compute and communication: they are not
     told apart), the rest idle; the run's samples split evenly over the devices (a plan
-    shares every sample's work among them)."""
+    shares every sample's work among them), or, under batch shares, each row's share split
+    evenly over its devices."""
     n = len(log.workers)
+    counts = [samples // n + (1 if i < samples % n else 0) for i in range(n)]
+    st = plan.stages[0] if plan is not None else None
+    if st is not None and st.shares:
+        counts = [0] * n
+        for share, row in zip(st.shares, st.rows(), strict=True):
+            mine = samples * share // sum(st.shares)
+            for k, d in enumerate(row):
+                counts[d] = mine // len(row) + (1 if k < mine % len(row) else 0)
     for i, w in enumerate(log.workers):
         b = busy[i] if i < len(busy) else 0.0
         w.busy_s, w.comm_s, w.idle_s = b, 0.0, max(0.0, elapsed - b)
-        w.samples = samples // n + (1 if i < samples % n else 0)
+        w.samples = counts[i]
 
 
 def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
@@ -757,9 +804,9 @@ def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
     from hetrain.workloads import flops_per_sample
 
     samples = step * cfg.train.batch_size
-    _worker_times(log, busy, elapsed, samples)
-    fps = flops_per_sample(workload)
     plan = Plan.from_dict(setup.plan)
+    _worker_times(log, busy, elapsed, samples, plan)
+    fps = flops_per_sample(workload)
     extra = {"engine": "dist", "strategy": "parallel", "cluster": cluster.name,
              "workload": workload.name, "n_workers": cluster.n, "flops_per_sample": fps,
              "config": cfg.to_dict(), "stop_reason": stop_reason,

@@ -1,0 +1,120 @@
+"""Uneven data parallelism: a one-stage plan whose rows take different shares of the batch.
+
+A plan with `StagePlan.shares` gives row j of its mesh (the devices at index j of axis 0)
+shares[j] samples of every global batch, so a fast device (or row) is not held to a slow
+one's pace. Every row holds a full replica of the model: on a 1-D mesh a row is one device
+and runs the plain model; on a 2-D mesh a row runs the plan's inner signatures (the part
+after axis 0) with a PlanExecutor on its own 1-D sub-mesh.
+
+Why the weighting: each row's loss is the mean over its own shares[j] samples, so it is
+scaled by shares[j] / G (G the global batch) before backward. Summing the scaled gradients
+over the rows then gives the gradient of the global mean loss, exactly what one process
+computes on the whole batch; an unweighted average of the rows' gradients would not. The
+sum runs over the "column" groups (the devices at one inner index in every row: they hold
+the same shard of every parameter), one all_reduce per parameter tensor, as the cost model
+prices it. Afterwards every replica's gradient is the same, so each rank's optimizer steps
+locally and the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import accumulate
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
+from hetrain.parallel.execute import PlanExecutor
+from hetrain.plan.cost import Plan, StagePlan, check_shares
+from hetrain.plan.graph import LayerGraph
+from hetrain.plan.sbp import Mesh
+
+
+def row_plan(plan: Plan, row: int = 0) -> Plan:
+    """What row `row` of an uneven 2-D plan runs on its own devices: the inner signatures
+    (every row runs the same ones)."""
+    st = plan.stages[0]
+    inner = StagePlan(Mesh(st.mesh.shape[1:], st.rows()[row]), st.ops, st.inner_signatures())
+    return Plan(plan.graph, (inner,))
+
+
+class UnevenExecutor:
+    """A plan with shares on the current process group (device ids are ranks; ranks the plan
+    leaves out idle and receive the loss). Call `step(x, y)` on every rank with the same
+    global batch; it returns the global mean loss on every rank."""
+
+    def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None):
+        try:
+            check_shares(plan, graph.batch)
+        except TypeError as e:
+            raise ConfigError(f"plan: {e}") from None
+        st = plan.stages[0]
+        if max(st.mesh.devices) >= dist.get_world_size():
+            raise ConfigError(f"the plan names device {max(st.mesh.devices)}, the group has "
+                              f"{dist.get_world_size()} processes; run it on a cluster of the "
+                              "plan's devices")
+        self.shares, self.batch = st.shares, sum(st.shares)
+        self.offsets = (0, *accumulate(st.shares))
+        self.src = st.mesh.devices[0]
+        self.everyone = len(st.mesh.devices) == dist.get_world_size()
+        rank = dist.get_rank()
+        rows = st.rows()
+        self.row = next((j for j, r in enumerate(rows) if rank in r), None)
+        # every rank builds the mesh (its groups are created collectively, in one order); its
+        # axis 0 groups are the columns, its axis 1 groups the rows
+        names = ("dp", "row")[:len(st.mesh.shape)]
+        mesh = DeviceMesh("cpu", torch.tensor(st.mesh.devices).view(st.mesh.shape),
+                          mesh_dim_names=names)
+        self.model, self.loss_fn = model, loss_fn
+        self.inner: PlanExecutor | None = None
+        self.columns: dist.ProcessGroup | None = None
+        if self.row is None:
+            return
+        self.columns = mesh.get_group("dp")
+        if len(st.mesh.shape) == 2:
+            weight = self.shares[self.row] / self.batch
+            self.inner = PlanExecutor(model, graph.scaled(weight), row_plan(plan, self.row),
+                                      mesh["row"], lambda out, y: loss_fn(out, y) * weight,
+                                      cluster)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters()) if self.row is not None else []
+
+    def _forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        """This row's loss times shares[row] / G, its gradients those of that scaled loss."""
+        assert self.row is not None
+        if self.inner is not None:
+            loss = self.inner.forward_backward(x, y)
+            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        loss = self.loss_fn(self.model(x), y) * (self.shares[self.row] / self.batch)
+        loss.backward()
+        return loss
+
+    def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
+        if x.shape[0] != self.batch:
+            raise ConfigError(f"the plan's shares {list(self.shares)} sum to {self.batch}, the "
+                              f"batch has {x.shape[0]} samples")
+        total = torch.zeros(1)
+        if self.row is not None:
+            assert optimizer is not None, "every rank of the plan holds a replica"
+            a, b = self.offsets[self.row], self.offsets[self.row + 1]
+            optimizer.zero_grad(set_to_none=True)
+            loss = self._forward_backward(x[a:b], y[a:b])
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        g = p.grad
+                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g,
+                                        group=self.columns)
+            optimizer.step()
+            total.fill_(float(loss.detach()))
+            dist.all_reduce(total, group=self.columns)
+        if not self.everyone:
+            dist.broadcast(total, src=self.src)
+        return float(total)

@@ -1,0 +1,269 @@
+"""Plans with uneven batch shares (StagePlan.shares) on 4 gloo processes train exactly like
+one process; checkpoints gather and restore their replicas; bad shares fail in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from itertools import accumulate
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetrain.errors import ConfigError
+from hetrain.plan.cost import Plan, read_plan_file
+from hetrain.plan.graph import gpt_graph
+from hetrain.plan.sbp import Mesh
+from hetrain.plan.search import template_plan
+from hetrain.workloads import MODELS
+from hetrain.workloads.base import cross_entropy
+from test_parallel import M4, M22, _assert_same_losses, _batches, _vgg_run
+
+
+def _with_shares(plan: Plan, *shares: int) -> Plan:
+    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0],
+                                                                 shares=shares),))
+
+
+def _gpt_run():  # type: ignore[no-untyped-def]
+    """test_parallel's GPT (same sizes and batches) under uneven plans: 1-D, 2-D dp x tp and
+    a 1-D mesh on ranks 0 and 2 only."""
+    from hetrain.parallel.runs import PlanRun
+
+    V, T, B = 32, 16, 8
+    g = gpt_graph(2, 32, 4, V, T, B)
+    plans = (_with_shares(template_plan(g, M4, "dp"), 5, 1, 1, 1),
+             _with_shares(template_plan(g, M22, "dp-tp"), 6, 2),
+             _with_shares(template_plan(g, Mesh((2,), (0, 2)), "dp"), 6, 2))
+    return PlanRun(functools.partial(MODELS["gpt"], (T,), V, n_layer=2, n_head=4, n_embd=32),
+                   cross_entropy, g, plans,
+                   _batches(lambda gen: (torch.randint(0, V, (B, T), generator=gen),
+                                         torch.randint(0, V, (B, T), generator=gen))), lr=0.5)
+
+
+def _uneven_vgg_run():  # type: ignore[no-untyped-def]
+    run = _vgg_run()
+    return dataclasses.replace(run, plans=(_with_shares(template_plan(run.graph, M4, "dp"),
+                                                        4, 2, 1, 1),))
+
+
+def _checkpoint_run():  # type: ignore[no-untyped-def]
+    """The 2-D GPT plan with AdamW (optimizer state to gather and restore)."""
+    run = _gpt_run()
+    return dataclasses.replace(run, plans=run.plans[1:2], optimizer="adamw", lr=0.01)
+
+
+def _round_trip(rank: int, run, plan: Plan) -> dict | None:  # type: ignore[no-untyped-def]
+    """Train under the plan, gather the checkpoint (train._gather), restore it into a model
+    built under another seed (train._restore) and take two more steps with both: the second
+    step's loss depends on the first update, i.e. on the restored Adam state too."""
+    from hetrain.parallel.execute import make_executor
+    from hetrain.parallel.runs import _optimizer
+    from hetrain.parallel.train import _gather, _restore, broadcast_from_rank0
+
+    def build(seed: int):  # type: ignore[no-untyped-def]
+        torch.manual_seed(seed)
+        model = run.build_model()
+        ex = make_executor(model, run.graph, plan, run.loss_fn)
+        return model, ex, _optimizer(run, ex.parameters())
+
+    model, ex, opt = build(run.seed)
+    for x, y in run.batches:
+        ex.step(x, y, opt)
+    got = _gather(model, ex.parameters(), opt, 0.0, with_optimizer=True)
+    full = broadcast_from_rank0(got[:2] if got is not None else None)
+    fresh, ex2, opt2 = build(run.seed + 1)
+    _restore(fresh, ex2.parameters(), opt2, full[0], full[1], opt.param_groups)
+    after = [(ex.step(x, y, opt), ex2.step(x, y, opt2)) for x, y in run.batches[:2]]
+    if got is None:
+        return None
+    # numpy, not tensors: torch would pass tensors back by file descriptor of a dead process
+    return {"weights": {k: v.numpy() for k, v in got[0].items()},
+            "states": {k: {n: v.numpy() for n, v in s.items()} for k, s in got[1].items()},
+            "after": after}
+
+
+def _every_run(rank: int, world: int, runs, ckpt) -> tuple:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import plans_worker
+
+    return ([plans_worker(rank, world, run) for run in runs],
+            [_round_trip(rank, ckpt, plan) for plan in ckpt.plans])
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict:
+    """Every uneven run on one group of 4 gloo processes: name -> (run, rank 0's results)."""
+    from hetrain.parallel.launch import run_local
+
+    runs = {"gpt": _gpt_run(), "vgg": _uneven_vgg_run()}
+    ckpt = _checkpoint_run()
+    results, state = run_local(_every_run, 4, (tuple(runs.values()), ckpt), timeout_s=150)[0]
+    out = {name: (run, res) for (name, run), res in zip(runs.items(), results, strict=True)}
+    out["checkpoint"] = (ckpt, state)
+    return out
+
+
+@pytest.mark.dist
+def test_gpt_with_uneven_shares_trains_like_one_process(trained) -> None:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import reference_run
+
+    run, results = trained["gpt"]
+    assert [p.stages[0].shares for p in run.plans] == [(5, 1, 1, 1), (6, 2), (6, 2)]
+    _assert_same_losses(results, reference_run(run))
+
+
+@pytest.mark.dist
+def test_vgg_with_uneven_shares_trains_like_one_process(trained) -> None:  # type: ignore[no-untyped-def]
+    from hetrain.parallel.runs import reference_run
+
+    run, results = trained["vgg"]
+    _assert_same_losses(results, reference_run(run))
+
+
+def test_the_shares_weighting_is_what_the_reference_checks() -> None:
+    """With these shares the plain mean of the rows' losses is not the batch mean, so a
+    run that forgot the shares[j] / G weights would fail the comparisons above."""
+    for run in (_gpt_run(), _uneven_vgg_run()):
+        torch.manual_seed(run.seed)
+        model = run.build_model()
+        x, y = run.batches[0]
+        with torch.no_grad():
+            for plan in run.plans:
+                shares = plan.stages[0].shares
+                ends = accumulate(shares)
+                rows = [run.loss_fn(model(x[b - s:b]), y[b - s:b])
+                        for s, b in zip(shares, ends, strict=True)]
+                weighted = sum(s / sum(shares) * r for s, r in zip(shares, rows, strict=True))
+                whole = run.loss_fn(model(x), y)
+                assert float(weighted) == pytest.approx(float(whole), rel=1e-5)
+                assert float(sum(rows) / len(rows)) != pytest.approx(float(whole), rel=1e-3)
+
+
+def _reference_weights(run) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(run.seed)
+    model = run.build_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, foreach=False)
+    for x, y in run.batches:
+        opt.zero_grad(set_to_none=True)
+        run.loss_fn(model(x), y).backward()
+        opt.step()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.dist
+def test_checkpoint_gathers_the_replicas_and_restores_them(trained) -> None:  # type: ignore[no-untyped-def]
+    run, (state,) = trained["checkpoint"]
+    ref = _reference_weights(run)
+    assert set(state["weights"]) == set(ref) and set(state["states"]) == set(ref)
+    for name, p in ref.items():
+        w = torch.from_numpy(state["weights"][name])
+        assert w.shape == p.shape  # full, not a row's shard
+        # AdamW divides tiny gradients (attention's key bias: zero but for float noise) by
+        # their tiny RMS, so float order moves weights by up to ~1e-4 here, under the even
+        # dp-tp plan as well; an old or foreign replica is off by whole steps (lr = 1e-2)
+        torch.testing.assert_close(w, p, rtol=0, atol=1e-3)
+        adam = state["states"][name]
+        assert float(adam["step"]) == len(run.batches)
+        assert adam["exp_avg"].shape == adam["exp_avg_sq"].shape == p.shape
+    for trained_on, restored in state["after"]:
+        assert restored == pytest.approx(trained_on, rel=1e-6)
+
+
+# ---- one-line refusals -------------------------------------------------------------------------
+def _plan_dict(**stage) -> dict:  # type: ignore[no-untyped-def]
+    g = gpt_graph(1, 32, 4, 32, 16, 8)
+    d = template_plan(g, M4, "dp").to_dict()
+    d["stages"][0].update(stage)
+    return d
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(shares=[5, 1, 1]), "one count >= 1 per index"),
+    (dict(shares=[5, 3, 0, 0]), "one count >= 1 per index"),
+    (dict(shares=[5, 1, 1, 1], signatures=None), "data parallel"),
+    (dict(shares=[5, 1, 1, 1], n_micro=2), "one-stage plans only"),
+])
+def test_bad_shares_in_a_plan_file_fail_in_one_line(tmp_path: Path, change, words) -> None:  # type: ignore[no-untyped-def]
+    d = _plan_dict(shares=change["shares"])
+    if "signatures" in change:
+        d["stages"][0]["signatures"][1] = "col"
+    if "n_micro" in change:  # two stages: shares on a pipeline
+        st = d["stages"][0]
+        half = len(st["ops"]) // 2
+        d["stages"] = [dict(st, ops=st["ops"][:half], signatures=st["signatures"][:half]),
+                       dict(st, ops=st["ops"][half:], signatures=st["signatures"][half:])]
+        d["n_micro"] = 2
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=words) as e:
+        read_plan_file(path)
+    assert len(str(e.value).splitlines()) == 1 and str(path) in str(e.value)
+
+
+def test_each_device_is_credited_its_rows_share_of_the_samples() -> None:
+    from hetrain.parallel.train import _worker_times
+    from hetrain.report.metrics import MetricsLog, WorkerTimes
+
+    log = MetricsLog("t", [WorkerTimes(f"d{i}") for i in range(5)], None)
+    g = gpt_graph(1, 32, 4, 32, 16, 8)
+    _worker_times(log, [1.0] * 5, 2.0, 3 * 8, _with_shares(template_plan(g, M22, "dp-tp"), 5, 3))
+    assert [w.samples for w in log.workers] == [8, 7, 5, 4, 0]  # 15 and 9 over 2 each
+    _worker_times(log, [1.0] * 5, 2.0, 3 * 8, template_plan(g, M22, "dp-tp"))
+    assert [w.samples for w in log.workers] == [5, 5, 5, 5, 4]  # unchanged: even over all
+
+
+def test_shares_that_do_not_fit_the_batch_or_the_row_mesh_are_refused() -> None:
+    from hetrain.parallel.train import _check_executable, _layout
+
+    g = gpt_graph(1, 32, 4, 32, 16, 8)
+    model = MODELS["gpt"]((16,), 32, n_layer=1, n_head=4, n_embd=32)
+    good = _with_shares(template_plan(g, M4, "dp"), 5, 1, 1, 1)
+    _check_executable(model, g, good, "gpipe")
+    assert _layout(good) == "mesh 4 on devices [0, 1, 2, 3], batch shares [5, 1, 1, 1]"
+    with pytest.raises(ConfigError, match="sum to 9, not the batch 8"):
+        _check_executable(model, g, _with_shares(good, 6, 1, 1, 1), "gpipe")
+    # inner dp on rows of 2 devices: a row's share must split in two
+    dpdp = template_plan(g, M22, "dp-dp")
+    _check_executable(model, g, _with_shares(dpdp, 6, 2), "gpipe")
+    with pytest.raises(ConfigError, match="share of 1 samples") as e:
+        _check_executable(model, g, _with_shares(dpdp, 7, 1), "gpipe")
+    assert len(str(e.value).splitlines()) == 1
+
+
+# ---- hetrain run ------------------------------------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> None:
+    """A slow and a three times faster device, each holding the model: the plan file gives
+    the fast one 6 of every 8 samples. The run evaluates, checkpoints and summarises, and
+    trains like the even data-parallel plan (same batches, same mean loss)."""
+    from test_parallel_run import hetrain, rows, vocab, write_config
+
+    devices = ('{ name = "slow", flops = 1e9, memory_bytes = 2000000 }, '
+               '{ name = "fast", flops = 3e9, memory_bytes = 2000000 }')
+    graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
+    even = template_plan(graph, Mesh((2,), (0, 1)), "dp")
+    got = {}
+    for name, plan in (("shares", _with_shares(even, 2, 6)), ("even", even)):
+        plan.save(tmp_path / f"{name}.json", {"devices": 2})
+        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
+                           devices=devices)
+        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
+                    "--no-plot")
+        assert r.returncode == 0, r.stderr
+        got[name] = rows(tmp_path / "runs" / name)
+    run_dir = tmp_path / "runs" / "shares"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parallel"]["plan"]["stages"][0]["shares"] == [2, 6]
+    assert summary["parallel"]["layout"] == "mesh 2 on devices [0, 1], batch shares [2, 6]"
+    assert [w["samples"] for w in summary["workers"]] == [29 * 2, 29 * 6]
+    uneven = got["shares"]
+    assert len(uneven) == 2 and uneven[-1]["updates"] == 29 and uneven[-1]["samples"] == 29 * 8
+    assert uneven[-1]["test_loss"] < uneven[0]["test_loss"] < 4.0  # ln(92) = 4.5 at the start
+    for key in ("test_loss", "train_loss"):
+        assert [x[key] for x in uneven] == pytest.approx([x[key] for x in got["even"]], rel=1e-4)
+    ck = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert ck["model"]["head.weight"].shape == (vocab(), 32)
+    assert set(ck["optimizer"]["state"]) == set(ck["model"])
