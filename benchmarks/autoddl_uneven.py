@@ -131,9 +131,9 @@ def calibrate(rank: int, world: int) -> dict[str, Any]:
     return calib[0]
 
 
-def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str, str]:
-    """label -> plan (distinct), the searched plan's label, and the search's choice without
-    uneven shares."""
+def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], dict[str, str]]:
+    """label -> plan (distinct), and the labels of the searched plan, the search's choice
+    without uneven shares, the lone fastest device and even data parallel over 4."""
     g = graph()
     found = search_plan(g, cluster, SearchOptions(pipeline=False), options)
     even_only = search_plan(g, cluster, SearchOptions(pipeline=False, uneven=False), options)
@@ -144,16 +144,17 @@ def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str,
                        (EVEN, template_plan(g, M4, "dp"))]:
         if plan not in out.values():
             out[desc] = plan
-    pick = next(k for k, p in out.items() if p == found.plan)
-    even_pick = next(k for k, p in out.items() if p == even_only.plan)
-    return out, pick, even_pick
+    lone, even = template_plan(g, Mesh((1,), (3,)), "dp"), template_plan(g, M4, "dp")
+    roles = {"searched": found.plan, "searched_even_only": even_only.plan, "lone": lone,
+             "even": even}
+    return out, {r: next(k for k, p in out.items() if p == plan) for r, plan in roles.items()}
 
 
 def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     calib = calibrate(rank, world)
     cluster, options = cluster_of(calib), options_of(calib)
-    found, pick, even_pick = plans(cluster, options)
+    found, roles = plans(cluster, options)
     me = cluster.devices[rank]
     fps = flops_per_sample()
     overruns = [0]
@@ -179,11 +180,14 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
             if k >= 2:
                 times.append(time.perf_counter() - t0)
     for _, ex, *_ in runs:
-        overruns[0] += getattr(ex, "overruns", 0)
+        pad = getattr(ex, "pad", None) or getattr(getattr(ex, "inner", None), "pad", None)
+        overruns[0] += pad.overruns if pad is not None else 0
+    total = torch.tensor([float(overruns[0])])
+    dist.all_reduce(total)  # every rank's, summed
     return {"calibration": calib, "plans": {k: p.to_dict() for k, p in found.items()},
-            "searched": pick, "searched_even_only": even_pick,
+            "roles": roles,
             "measured": {label: statistics.median(t) for label, _, _, t, _ in runs},
-            "losses": {label: ls for label, *_, ls in runs}, "overruns": overruns[0]}
+            "losses": {label: ls for label, *_, ls in runs}, "overruns": int(total)}
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
@@ -197,12 +201,13 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
                          shares=list(plan.stages[0].shares)))
     meas = res["measured"]
     pred = {r["plan"]: r["predicted_s"] for r in rows}
-    s = res["searched"]
-    return dict(rows=rows, searched=s, searched_even_only=res["searched_even_only"],
-                even_over_searched=meas[EVEN] / meas[s], lone_over_searched=meas[LONE] / meas[s],
-                even_only_over_searched=meas[res["searched_even_only"]] / meas[s],
-                predicted_even_over_searched=pred[EVEN] / pred[s],
-                predicted_lone_over_searched=pred[LONE] / pred[s],
+    roles = res["roles"]
+    s, lone, even = roles["searched"], roles["lone"], roles["even"]
+    return dict(rows=rows, searched=s, searched_even_only=roles["searched_even_only"],
+                even_over_searched=meas[even] / meas[s], lone_over_searched=meas[lone] / meas[s],
+                even_only_over_searched=meas[roles["searched_even_only"]] / meas[s],
+                predicted_even_over_searched=pred[even] / pred[s],
+                predicted_lone_over_searched=pred[lone] / pred[s],
                 spearman=float(spearmanr([r["predicted_s"] for r in rows],
                                          [r["measured_s"] for r in rows])[0]))
 

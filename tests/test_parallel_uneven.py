@@ -85,11 +85,39 @@ def _round_trip(rank: int, run, plan: Plan) -> dict | None:  # type: ignore[no-u
             "after": after}
 
 
+def _padded(rank: int, run) -> list[tuple[float, float, float]]:  # type: ignore[no-untyped-def]
+    """One step of each GPT plan (uneven 1-D and 2-D, and even DTensor dp) with rank 3
+    emulating a slow device (0.3 s of compute, whatever its samples) and the others
+    unthrottled: (loss, loss without emulation, rank 0's step time)."""
+    import time
+
+    import torch.distributed as dist
+
+    from hetrain.parallel.execute import make_executor
+    from hetrain.parallel.runs import _optimizer
+
+    out = []
+    x, y = run.batches[0]
+    for plan in (*run.plans[:2], template_plan(run.graph, M4, "dp")):
+        losses, took = [], 0.0
+        for budget in (None, (lambda n: 0.3) if rank == 3 else None):
+            torch.manual_seed(run.seed)
+            ex = make_executor(run.build_model(), run.graph, plan, run.loss_fn,
+                               compute_budget=budget)
+            opt = _optimizer(run, ex.parameters())
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(ex.step(x, y, opt))
+            took = time.perf_counter() - t0
+        out.append((losses[1], losses[0], took))
+    return out
+
+
 def _every_run(rank: int, world: int, runs, ckpt) -> tuple:  # type: ignore[no-untyped-def]
     from hetrain.parallel.runs import plans_worker
 
     return ([plans_worker(rank, world, run) for run in runs],
-            [_round_trip(rank, ckpt, plan) for plan in ckpt.plans])
+            [_round_trip(rank, ckpt, plan) for plan in ckpt.plans], _padded(rank, runs[0]))
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +127,21 @@ def trained() -> dict:
 
     runs = {"gpt": _gpt_run(), "vgg": _uneven_vgg_run()}
     ckpt = _checkpoint_run()
-    results, state = run_local(_every_run, 4, (tuple(runs.values()), ckpt), timeout_s=150)[0]
+    results, state, padded = run_local(_every_run, 4, (tuple(runs.values()), ckpt),
+                                       timeout_s=150)[0]
     out = {name: (run, res) for (name, run), res in zip(runs.items(), results, strict=True)}
     out["checkpoint"] = (ckpt, state)
+    out["padded"] = (None, padded)
     return out
+
+
+@pytest.mark.dist
+def test_a_slow_device_emulated_by_its_compute_budget_delays_every_rank(trained) -> None:  # type: ignore[no-untyped-def]
+    """The padding sits before the gradient sync: rank 0 waits for rank 3's emulated
+    compute; the padding changes no number."""
+    for loss, plain, took in trained["padded"][1]:
+        assert loss == plain
+        assert took >= 0.3
 
 
 @pytest.mark.dist

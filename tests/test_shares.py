@@ -4,6 +4,7 @@ brute-force enumeration, within each row's memory, and chosen by the search when
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from hetrain.cluster import GBIT, Cluster, Device, Link, Site
 from hetrain.errors import ConfigError
-from hetrain.plan.cost import Plan, StagePlan, plan_cost
+from hetrain.plan.cost import CostOptions, Plan, StagePlan, buckets, plan_cost
 from hetrain.plan.graph import gpt_graph, vgg_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan, uneven_plan
@@ -35,11 +36,17 @@ def _compositions(total: int, parts: int) -> list[tuple[int, ...]]:
             for cut in itertools.combinations(range(1, total), parts - 1)]
 
 
-def test_even_shares_cost_what_the_even_split_costs() -> None:
+def test_even_shares_cost_what_the_even_split_costs_but_sync_in_buckets() -> None:
+    """Compute as the even split's; the gradient sum is one bucketed all-reduce (DDP-style),
+    not one per tensor (DTensor's), so it pays the per-call cost once."""
     c = _cluster([1e10, 1e10, 2e10, 4e10])
     dp = template_plan(GPT, Mesh((4,), (0, 1, 2, 3)), "dp")
-    assert plan_cost(GPT, with_shares(dp, (2, 2, 2, 2)), c).time_s == pytest.approx(
-        plan_cost(GPT, dp, c).time_s, rel=1e-12)
+    options = CostOptions(collective_call_s=1e-3)
+    even, shared = (plan_cost(GPT, p, c, options) for p in (dp, with_shares(dp, (2, 2, 2, 2))))
+    assert shared.time_s - shared.sync_s == pytest.approx(even.time_s - even.sync_s, rel=1e-12)
+    tensors = sum(1 + (op.param_bytes > op.dtype_bytes * math.prod(op.weight_shape))
+                  for op in GPT.ops if op.weight_shape)
+    assert even.sync_s >= tensors * 1e-3 > 2e-3 >= shared.sync_s - 1e-3
 
 
 @settings(max_examples=25, deadline=None)
@@ -124,3 +131,9 @@ def test_vgg_shares_follow_speed() -> None:
     stage = template_plan(g, Mesh((4,), (0, 1, 2, 3)), "dp").stages[0]
     shares = balanced_shares(g, stage, c)
     assert shares is not None and shares[0] < shares[1] < shares[2] == shares[3]
+
+
+def test_buckets_group_consecutive_tensors_up_to_the_cap() -> None:
+    assert buckets([4, 4, 4], cap=8) == [[0, 1], [2]]
+    assert buckets([4, 20, 4, 4], cap=8) == [[0], [1], [2, 3]]  # a large tensor alone
+    assert buckets([], cap=8) == []

@@ -24,6 +24,8 @@ the executor a plan needs.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -126,15 +128,39 @@ def _param_placements(op: Op, sig: NdSignature, pname: str) -> list[Placement]:
     return [Shard(0) if s == Split(0) and op.kind in ("linear", "conv") else Replicate() for s in w]
 
 
+ComputeBudget = Callable[[int], float]
+"""Speed emulation (benchmarks): seconds the emulated device takes for the forward and
+backward of this many local samples; the executor sleeps until then before the gradient
+synchronisation, so a slower device delays its gradients as it would (hetrain.engine.emulate's
+budget padding)."""
+
+
+class Padding:
+    """Pads a rank's forward + backward to its compute budget; counts overruns (the real
+    compute took longer than the emulated device would)."""
+
+    def __init__(self, budget: ComputeBudget | None):
+        self.budget, self.overruns = budget, 0
+
+    def __call__(self, start: float, samples: int) -> None:
+        if self.budget is None:
+            return
+        from hetrain.engine.emulate import sleep_until
+
+        if sleep_until(start + self.budget(samples)) == 0.0:
+            self.overruns += 1
+
+
 class PlanExecutor:
     """A model made plan-parallel in place: call `step(x, y)` on every rank with the same
     global batch; it returns the global mean loss (same value on every rank)."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan, mesh: DeviceMesh,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None,
-                 comm: MeshComm | None = None):
+                 comm: MeshComm | None = None, compute_budget: ComputeBudget | None = None):
         """`comm` (default: the cluster's plain rings) routes redistributions; pass the cost
-        model's own (StageTables.comm) so the executor runs the boxing paths it priced."""
+        model's own (StageTables.comm) so the executor runs the boxing paths it priced.
+        `compute_budget` emulates a slower device (see ComputeBudget)."""
         register_cpu_sdpa_sharding()
         self.sigs = resolve_signatures(graph, plan)
         pm = plan.stages[0].mesh
@@ -143,6 +169,10 @@ class PlanExecutor:
             raise ConfigError(f"device mesh {tuple(mesh.shape)} does not match the plan's "
                               f"{plan.stages[0].mesh.shape}")
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
+        self.pad = Padding(compute_budget)
+        first = self.sigs[graph.ops[0].name].ins(0)
+        self.batch_split = math.prod(n for n, s in zip(mesh.shape, first, strict=True)
+                                     if s == Split(0))
         ops = {op.name: op for op in graph.ops}
         self.loss_sig = self.sigs[graph.ops[-1].name] if graph.ops[-1].kind == "cross_entropy" else None
         self._hooks = []
@@ -195,9 +225,11 @@ class PlanExecutor:
                 p.grad = box(g, list(p.placements), self.comm)
 
     def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        start = time.perf_counter()
         with self.loss_context():
             loss = self.loss(self.model(x), y)
             loss.backward()
+        self.pad(start, x.shape[0] // self.batch_split)
         self.sync_grads()
         return loss
 
@@ -231,7 +263,7 @@ class SubsetExecutor:
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None,
-                 comm: MeshComm | None):
+                 comm: MeshComm | None, compute_budget: ComputeBudget | None = None):
         st = plan.stages[0]
         if max(st.mesh.devices) >= dist.get_world_size():
             raise ConfigError(f"the plan names device {max(st.mesh.devices)}, the group has "
@@ -240,7 +272,8 @@ class SubsetExecutor:
         # every rank builds the mesh (its groups are created collectively)
         mesh = DeviceMesh("cpu", torch.tensor(st.mesh.devices).view(st.mesh.shape))
         self.src = st.mesh.devices[0]
-        self.inner = PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm) \
+        self.inner = PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm,
+                                  compute_budget) \
             if dist.get_rank() in st.mesh.devices else None
 
     def parameters(self) -> list[nn.Parameter]:
@@ -257,22 +290,26 @@ class SubsetExecutor:
 def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
                   loss_fn: Callable[[Tensor, Tensor], Tensor], *, cluster: Cluster | None = None,
                   comm: MeshComm | None = None, schedule: str = "gpipe",
-                  timeout_s: float | None = None) -> Executor:
+                  timeout_s: float | None = None,
+                  compute_budget: ComputeBudget | None = None) -> Executor:
     """The executor for `plan` on the current process group: PipelineExecutor (with the
     `schedule`, "gpipe" or "1f1b") for pipeline plans, an uneven.UnevenExecutor for a plan
     with batch shares, a PlanExecutor on a device mesh of the plan's shape when the plan
     spans every rank, else a SubsetExecutor. The plan's device ids are ranks. Call on every
-    rank. `timeout_s`: a pipeline's P2P receive timeout."""
+    rank. `timeout_s`: a pipeline's P2P receive timeout. `compute_budget`: this rank's
+    emulated device speed (one-stage plans)."""
     if len(plan.stages) > 1:
         from hetrain.parallel.pipeline import PipelineExecutor
 
+        if compute_budget is not None:
+            raise ConfigError("speed emulation (compute_budget) is not built for pipeline plans")
         return PipelineExecutor(model, graph, plan, loss_fn, schedule, timeout_s)
     if plan.stages[0].shares:
         from hetrain.parallel.uneven import UnevenExecutor
 
-        return UnevenExecutor(model, graph, plan, loss_fn, cluster)
+        return UnevenExecutor(model, graph, plan, loss_fn, cluster, compute_budget)
     devices = plan.stages[0].mesh.devices
     if tuple(devices) != tuple(range(dist.get_world_size())):
-        return SubsetExecutor(model, graph, plan, loss_fn, cluster, comm)
+        return SubsetExecutor(model, graph, plan, loss_fn, cluster, comm, compute_budget)
     mesh = init_device_mesh("cpu", plan.stages[0].mesh.shape)
-    return PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm)
+    return PlanExecutor(model, graph, plan, mesh, loss_fn, cluster, comm, compute_budget)

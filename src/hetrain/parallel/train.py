@@ -211,7 +211,8 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
     if par.plan == "auto":
         res = search_plan(graph, cluster, SearchOptions(restarts=par.restarts,
                                                         pipeline=par.pipeline,
-                                                        subsets=par.subsets), copts)
+                                                        subsets=par.subsets,
+                                                        uneven=par.uneven), copts)
         plan = res.plan
     else:
         plan = _plan_file(par.plan, graph, cluster, cfg.workload.model)
@@ -240,8 +241,7 @@ def _layout(plan: Plan) -> str:
 
 def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
     """A plan with batch shares: legal shares for this batch and, on a 2-D mesh, inner
-    signatures that every row can run on its share (a split of the batch must divide it:
-    checked at the largest and the smallest share)."""
+    signatures that every row can run on its share (a split of the batch must divide it)."""
     try:
         check_shares(plan, graph.batch)
     except TypeError as e:
@@ -252,7 +252,7 @@ def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
     from hetrain.parallel.execute import resolve_signatures
     from hetrain.parallel.uneven import row_plan
 
-    for share in sorted({max(st.shares), min(st.shares)}):
+    for share in sorted(set(st.shares)):
         try:
             resolve_signatures(graph.scaled(share / graph.batch), row_plan(plan))
         except ConfigError as e:

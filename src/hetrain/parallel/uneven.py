@@ -11,13 +11,14 @@ scaled by shares[j] / G (G the global batch) before backward. Summing the scaled
 over the rows then gives the gradient of the global mean loss, exactly what one process
 computes on the whole batch; an unweighted average of the rows' gradients would not. The
 sum runs over the "column" groups (the devices at one inner index in every row: they hold
-the same shard of every parameter), one all_reduce per parameter tensor, as the cost model
-prices it. Afterwards every replica's gradient is the same, so each rank's optimizer steps
+the same shard of every parameter), in flat 25 MiB buckets as DDP does (with the loss in the
+last one), as the cost model prices it. Afterwards every replica's gradient is the same, so each rank's optimizer steps
 locally and the replicas stay identical.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from itertools import accumulate
 
@@ -29,8 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
-from hetrain.parallel.execute import PlanExecutor
-from hetrain.plan.cost import Plan, StagePlan, check_shares
+from hetrain.parallel.execute import ComputeBudget, Padding, PlanExecutor
+from hetrain.plan.cost import Plan, StagePlan, buckets, check_shares
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
 
@@ -43,13 +44,27 @@ def row_plan(plan: Plan, row: int = 0) -> Plan:
     return Plan(plan.graph, (inner,))
 
 
+def sum_in_buckets(tensors: list[Tensor], group: dist.ProcessGroup | None) -> None:
+    """All-reduce (sum) every tensor in place over `group`, bucket by bucket."""
+    for idx in buckets([t.numel() * t.element_size() for t in tensors]):
+        part = [tensors[i] for i in idx]
+        flat = torch.cat([t.reshape(-1) for t in part])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in part:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 class UnevenExecutor:
     """A plan with shares on the current process group (device ids are ranks; ranks the plan
     leaves out idle and receive the loss). Call `step(x, y)` on every rank with the same
     global batch; it returns the global mean loss on every rank."""
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None):
+                 loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None,
+                 compute_budget: ComputeBudget | None = None):
+        """`compute_budget` emulates a slower device (execute.ComputeBudget)."""
         try:
             check_shares(plan, graph.batch)
         except TypeError as e:
@@ -72,6 +87,7 @@ class UnevenExecutor:
         mesh = DeviceMesh("cpu", torch.tensor(st.mesh.devices).view(st.mesh.shape),
                           mesh_dim_names=names)
         self.model, self.loss_fn = model, loss_fn
+        self.pad = Padding(compute_budget)
         self.inner: PlanExecutor | None = None
         self.columns: dist.ProcessGroup | None = None
         if self.row is None:
@@ -81,7 +97,8 @@ class UnevenExecutor:
             weight = self.shares[self.row] / self.batch
             self.inner = PlanExecutor(model, graph.scaled(weight), row_plan(plan, self.row),
                                       mesh["row"], lambda out, y: loss_fn(out, y) * weight,
-                                      cluster)
+                                      cluster, compute_budget=compute_budget)
+            self.pad = self.inner.pad
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters()) if self.row is not None else []
@@ -92,8 +109,10 @@ class UnevenExecutor:
         if self.inner is not None:
             loss = self.inner.forward_backward(x, y)
             return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        start = time.perf_counter()
         loss = self.loss_fn(self.model(x), y) * (self.shares[self.row] / self.batch)
         loss.backward()
+        self.pad(start, x.shape[0])
         return loss
 
     def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
@@ -107,14 +126,15 @@ class UnevenExecutor:
             optimizer.zero_grad(set_to_none=True)
             loss = self._forward_backward(x[a:b], y[a:b])
             with torch.no_grad():
+                grads = []
                 for p in self.model.parameters():
-                    if p.grad is not None:
-                        g = p.grad
-                        dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g,
-                                        group=self.columns)
+                    if p.grad is None:  # unused this step: every row must send as many bytes
+                        p.grad = torch.zeros_like(p)
+                    g = p.grad
+                    grads.append(g.to_local() if isinstance(g, DTensor) else g)
+                total.fill_(float(loss.detach()))
+                sum_in_buckets([*grads, total], self.columns)
             optimizer.step()
-            total.fill_(float(loss.detach()))
-            dist.all_reduce(total, group=self.columns)
         if not self.everyone:
             dist.broadcast(total, src=self.src)
         return float(total)

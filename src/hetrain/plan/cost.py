@@ -490,27 +490,47 @@ def row_tables(graph: LayerGraph, st: StagePlan, row: tuple[int, ...], share: fl
     return stage_tables(graph.scaled(share / graph.batch), Mesh((len(row),), row), cluster, options)
 
 
-def _outer_sync_s(op: Op, inner: NdSignature, comm: Any) -> float:
-    """All-reduce over mesh axis 0 of one row member's gradient shard (weight, then bias)."""
+BUCKET_BYTES = 25 * 2**20
+"""Gradients are summed over the columns in flat buckets of at most this many bytes (DDP's
+default bucket size): one all_reduce per bucket, not per tensor, since a collective call's
+fixed cost (~1 ms over gloo here) dwarfs a small tensor's transfer."""
+
+
+def buckets(nbytes: list[int], cap: int = BUCKET_BYTES) -> list[list[int]]:
+    """Consecutive tensor indices grouped into buckets of at most `cap` bytes (a larger
+    tensor alone in its own); parallel.uneven sums gradients so."""
+    out: list[list[int]] = []
+    size = cap
+    for i, n in enumerate(nbytes):
+        if not out or size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
+def _shard_bytes(op: Op, inner: NdSignature, inner_shape: tuple[int, ...]) -> list[int]:
+    """Bytes of one row member's gradient shards of the op (weight, then bias)."""
     w = inner.weight
     if w is None:
-        return 0.0
-    ms = comm.mesh.shape[1:] or (1,)
-    wsplit = math.prod(p for p, x in zip(ms, w, strict=True) if isinstance(x, Split))
-    t = comm.collective_s("all_reduce", 0, math.prod(op.weight_shape) * op.dtype_bytes / wsplit)
+        return []
+    wsplit = math.prod(p for p, x in zip(inner_shape, w, strict=True) if isinstance(x, Split))
+    out = [int(math.prod(op.weight_shape) * op.dtype_bytes // wsplit)]
     bias = _bias_of(op, w)
     if bias is not None:
-        bsplit = math.prod(p for p, x in zip(ms, bias[1], strict=True) if isinstance(x, Split))
-        t += comm.collective_s("all_reduce", 0, bias[0][0] * op.dtype_bytes / bsplit)
-    return t
+        bsplit = math.prod(p for p, x in zip(inner_shape, bias[1], strict=True)
+                           if isinstance(x, Split))
+        out.append(int(bias[0][0] * op.dtype_bytes // bsplit))
+    return out
 
 
 def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
                 options: CostOptions | None = None) -> CostReport:
     """Uneven data parallelism (StagePlan.shares), as parallel.uneven runs it: row j computes
     its share alone (its own tables at shares[j] samples, its inner signatures on its devices),
-    then every parameter's gradient shard is all-reduced over mesh axis 0, one call per
-    tensor. T = max_j (row j's compute, inner communication and step overhead) + inner sync
+    then the gradient shards (and the loss) are summed over mesh axis 0 in flat buckets, one
+    all-reduce per bucket (the ops' rows show their inner sync only). T = max_j (row j's compute, inner communication and step overhead) + inner sync
     + outer all-reduce. Each row's memory must fit its smallest member."""
     try:
         check_shares(plan, graph.batch)
@@ -531,10 +551,13 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
         rows.append((tab.time_s(a) - sync, sync, tab, a, oc))  # with the row's step overhead
     slow = max(range(len(rows)), key=lambda j: rows[j][0])
     t_slow, _, tab, a, oc = rows[slow]
-    outer = [_outer_sync_s(op, tab.sigs[i][a[i]], comm) for i, op in enumerate(graph.ops)]
-    sync = max(r[1] for r in rows) + sum(outer)
-    ops = tuple(replace(x, signature=name, sync_s=x.sync_s + so)
-                for x, name, so in zip(oc, st.signatures, outer, strict=True))
+    inner_shape = tab.mesh.shape
+    shards = [n for i, op in enumerate(graph.ops)
+              for n in _shard_bytes(op, tab.sigs[i][a[i]], inner_shape)] + [4]  # + the loss
+    outer = sum(comm.collective_s("all_reduce", 0, sum(shards[k] for k in b))
+                for b in buckets(shards))
+    sync = max(r[1] for r in rows) + outer
+    ops = tuple(replace(x, signature=name) for x, name in zip(oc, st.signatures, strict=True))
     excess = [(r[2].memory_bytes(r[3]), r[2].memory_limit_bytes) for r in rows]
     mem, limit = max(excess, key=lambda e: e[0] - e[1])
     return CostReport(t_slow + sync, sum(x.compute_s for x in oc),
