@@ -44,7 +44,7 @@ from autoddl_predicted_vs_measured import M4, _collective_times, _fit_collective
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.parallel.execute import make_executor
-from hetrain.plan.cost import CostOptions, Plan, plan_cost
+from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
 from hetrain.plan.graph import gpt_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
@@ -72,9 +72,7 @@ def build() -> torch.nn.Module:
 
 
 def flops_per_sample() -> float:
-    """Training FLOPs per sample as the cost model counts them (3x weighted ops, 2x others)."""
-    gr = graph()
-    return sum((3.0 if op.weight_shape else 2.0) * op.flops for op in gr.ops) / gr.batch
+    return training_flops_per_sample(graph())
 
 
 def batch(gen: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetrain.errors import ConfigError
-from hetrain.plan.cost import Plan, read_plan_file
+from hetrain.plan.cost import Plan, read_plan_file, training_flops_per_sample
 from hetrain.plan.graph import gpt_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import template_plan
@@ -277,11 +277,13 @@ def test_shares_that_do_not_fit_the_batch_or_the_row_mesh_are_refused() -> None:
 def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> None:
     """A slow and a three times faster device, each holding the model: the plan file gives
     the fast one 6 of every 8 samples. The run evaluates, checkpoints and summarises, and
-    trains like the even data-parallel plan (same batches, same mean loss)."""
+    trains like the even data-parallel plan (same batches, same mean loss). Speeds are
+    emulated (dist.emulate = "cluster", the default): every step lasts at least the slowest
+    row's padded compute, 2 samples on the slow device (4 under the even plan)."""
     from test_parallel_run import hetrain, rows, vocab, write_config
 
-    devices = ('{ name = "slow", flops = 1e9, memory_bytes = 2000000 }, '
-               '{ name = "fast", flops = 3e9, memory_bytes = 2000000 }')
+    devices = ('{ name = "slow", flops = 2e8, memory_bytes = 2000000 }, '
+               '{ name = "fast", flops = 6e8, memory_bytes = 2000000 }')
     graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
     even = template_plan(graph, Mesh((2,), (0, 1)), "dp")
     got = {}
@@ -306,3 +308,40 @@ def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> Non
     ck = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert ck["model"]["head.weight"].shape == (vocab(), 32)
     assert set(ck["optimizer"]["state"]) == set(ck["model"])
+    fps = training_flops_per_sample(graph)
+    for name, slow_samples in (("shares", 2), ("even", 4)):
+        par = json.loads((tmp_path / "runs" / name / "summary.json").read_text())["parallel"]
+        assert par["emulated_speeds"] == "cluster"
+        assert par["measured_step_s"] >= slow_samples * fps / 2e8  # 61 and 123 ms
+
+
+def test_compute_budget_follows_the_cluster_file_and_dist_emulate() -> None:
+    """dist.emulate = "cluster" pads a one-stage plan's ranks to their device's time (x
+    time_scale); "none" does not; pipelines are not emulated; "relative" is refused."""
+    from hetrain.cluster import Cluster, Device, Link, Site
+    from hetrain.config import config_from_dict
+    from hetrain.parallel.train import check_supported, compute_budget, emulation
+    from hetrain.plan.split import pipeline_plan
+
+    site = Site("s", Link(1e9, 1e-4), Link(1e9, 1e-4))
+    cluster = Cluster("c", (Device("a", 1e9, site="s", step_overhead_s=0.01),
+                            Device("b", 4e9, site="s")), (site,))
+    g = gpt_graph(2, 32, 4, 32, 16, 8)
+    one_stage = template_plan(g, Mesh((2,), (0, 1)), "dp")
+    piped = pipeline_plan(g, [0, g.stage_starts()[0], len(g.ops)],
+                          [Mesh((1,), (0,)), Mesh((1,), (1,))], 2)
+    fps = training_flops_per_sample(g)
+
+    def cfg(**dist):  # type: ignore[no-untyped-def]
+        return config_from_dict({"engine": "dist", "workload": {"model": "gpt", "dataset": "text"},
+                                 "dist": {"time_scale": 0.5, **dist}, "parallel": {}})
+
+    budget = compute_budget(cfg(), cluster, g, one_stage, 0)
+    assert budget is not None and budget(3) == pytest.approx(0.5 * (0.01 + 3 * fps / 1e9))
+    fast = compute_budget(cfg(), cluster, g, one_stage, 1)
+    assert fast is not None and fast(3) == pytest.approx(0.5 * 3 * fps / 4e9)
+    assert compute_budget(cfg(emulate="none"), cluster, g, one_stage, 0) is None
+    assert compute_budget(cfg(), cluster, g, piped, 0) is None
+    assert emulation(cfg(), piped) == "not for pipeline plans"
+    with pytest.raises(ConfigError, match="relative"):
+        check_supported(cfg(emulate="relative"))

@@ -45,6 +45,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -65,6 +66,7 @@ from hetrain.plan.cost import (
     plan_cost,
     read_plan_file,
     stage_graphs,
+    training_flops_per_sample,
 )
 from hetrain.plan.graph import LayerGraph, gpt_graph, graph_from_module, vgg_graph
 from hetrain.plan.search import SearchOptions, _gib, search_plan
@@ -102,7 +104,9 @@ def check_supported(cfg: RunConfig) -> None:
                (t.compression != "none", "train.compression", "use \"none\""),
                (d.ps_shards != 1, "dist.ps_shards", "use 1 (there is no parameter server)"),
                (d.backend != "gloo", "dist.backend", "use \"gloo\""),
-               (d.device != "cpu", "dist.device", "use \"cpu\"")]
+               (d.device != "cpu", "dist.device", "use \"cpu\""),
+               (d.emulate == "relative", "dist.emulate = \"relative\"",
+                "use \"cluster\" (pad to the cluster file's speeds) or \"none\"")]
     for bad, key, fix in refused:
         if bad:
             raise ConfigError(f"[parallel] does not support {key} (plans run on CPU processes "
@@ -284,16 +288,38 @@ def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule:
 
 
 # ---- one rank ----------------------------------------------------------------------------------
+def emulation(cfg: RunConfig, plan: Plan) -> str:
+    """How the cluster's speeds are emulated: "cluster" (one-stage plans under dist.emulate =
+    "cluster"), "none" (dist.emulate = "none"), or "not for pipeline plans"."""
+    if cfg.dist.emulate == "none":
+        return "none"
+    return "cluster" if len(plan.stages) == 1 else "not for pipeline plans"
+
+
+def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Plan,
+                   rank: int) -> Callable[[int], float] | None:
+    """dist.emulate = "cluster": this rank's forward + backward of n local samples is padded
+    to the time its cluster device takes (step_overhead_s + n x the cost model's FLOPs per
+    sample / flops, x dist.time_scale), as the strategies' real engine pads its tasks, so a
+    run on one machine paces like the cluster file; the planner priced the same figures."""
+    if emulation(cfg, plan) != "cluster":
+        return None
+    device, scale = cluster.devices[rank], cfg.dist.time_scale
+    fps = training_flops_per_sample(graph)
+    return lambda samples: scale * device.compute_time_s(samples, fps)
+
+
 def build_executor(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload,
-                   cluster: Cluster, schedule: str, timeout_s: float | None = None) -> Any:
+                   cluster: Cluster, schedule: str, timeout_s: float | None = None,
+                   budget: Callable[[int], float] | None = None) -> Any:
     """This rank's executor (call on every rank: meshes and groups are collective). Rank r
     is cluster device r: a stage runs on the devices the plan sized it for, ranks the plan
     leaves out idle (execute.make_executor). `timeout_s`: a pipeline's P2P receive timeout
-    (collectives get theirs from `set_timeouts`)."""
+    (collectives get theirs from `set_timeouts`); `budget`: see compute_budget."""
     from hetrain.parallel.execute import make_executor
 
     return make_executor(model, graph, plan, workload.loss_fn, cluster=cluster,
-                         schedule=schedule, timeout_s=timeout_s)
+                         schedule=schedule, timeout_s=timeout_s, compute_budget=budget)
 
 
 def _local_state(model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer | None
@@ -600,7 +626,8 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     model = workload.build_model()
     graph = run_graph(workload, model, batch)
     ex = build_executor(model, graph, plan, workload, cluster, par.schedule,
-                        cfg.dist.worker_timeout_s)
+                        cfg.dist.worker_timeout_s,
+                        compute_budget(cfg, cluster, graph, plan, rank))
     params = ex.parameters()
     from hetrain.engine.core import build_optimizer
 
@@ -811,7 +838,8 @@ def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
              "workload": workload.name, "n_workers": cluster.n, "flops_per_sample": fps,
              "config": cfg.to_dict(), "stop_reason": stop_reason,
              "parallel": {"plan_source": setup.source, "plan": setup.plan,
-                          "layout": _layout(plan), "schedule": cfg.parallel.schedule
+                          "layout": _layout(plan), "emulated_speeds": emulation(cfg, plan),
+                          "schedule": cfg.parallel.schedule
                           if cfg.parallel else "", "predicted_step_s": setup.predicted_step_s,
                           "measured_step_s": max(busy) / step if step and busy else None,
                           "memory_bytes": setup.memory_bytes,

@@ -564,6 +564,12 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
                       sum(x.comm_s for x in oc), sync, 0.0, mem, limit, ops)
 
 
+def training_flops_per_sample(graph: LayerGraph) -> float:
+    """FLOPs of one sample's forward and backward as the cost model counts them (3x the
+    forward for ops with weights: data and weight gradients; 2x for the others)."""
+    return sum((3.0 if op.weight_shape else 2.0) * op.flops for op in graph.ops) / graph.batch
+
+
 def micro_memory(tab: StageTables, m: int) -> list[np.ndarray]:
     """tab.mem (per op, per signature) with m micro-batches' activations alive (GPipe): tab
     prices one micro-batch, whose activations are 1/m of the batch's."""
