@@ -77,7 +77,9 @@ def main() -> None:
             st = res.plan.stages
             gains.append(dict(model=model, cluster=name, gain_over_dp=res.gain,
                               chosen_time_s=res.report.time_s, dp_time_s=res.baseline_report.time_s,
-                              plan=" ; ".join(f"mesh {s.mesh.label} {list(s.mesh.devices)}" for s in st)
+                              plan=" ; ".join(f"mesh {s.mesh.label} {list(s.mesh.devices)}"
+                                              + (f" shares {list(s.shares)}" if s.shares else "")
+                                              for s in st)
                               + (f" x{res.plan.n_micro} micro" if len(st) > 1 else ""),
                               signatures=sorted({x for s in st for x in s.signatures})))
             print(gains[-1], flush=True)

@@ -129,8 +129,8 @@ def _param_placements(op: Op, sig: NdSignature, pname: str) -> list[Placement]:
 
 
 ComputeBudget = Callable[[int], float]
-"""Speed emulation (benchmarks): seconds the emulated device takes for the forward and
-backward of this many local samples; the executor sleeps until then before the gradient
+"""Speed emulation (`hetrain run`'s dist.emulate, benchmarks): seconds the emulated device
+takes for the forward and backward of this many local samples; the executor sleeps until then before the gradient
 synchronisation, so a slower device delays its gradients as it would (hetrain.engine.emulate's
 budget padding)."""
 

@@ -7,7 +7,9 @@ a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor), a
 uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). Rank r is
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
-over gloo.
+over gloo; under dist.emulate = "cluster" (the default) a one-stage plan's ranks pad their
+compute to their cluster device's time (compute_budget), so one machine paces like the
+cluster file.
 
 Every rank draws the same global batch (train.batch_size samples of an epoch permutation
 seeded by train.seed and the epoch), so data needs no shipping, and a resumed run sees the

@@ -12,8 +12,8 @@ over the rows then gives the gradient of the global mean loss, exactly what one 
 computes on the whole batch; an unweighted average of the rows' gradients would not. The
 sum runs over the "column" groups (the devices at one inner index in every row: they hold
 the same shard of every parameter), in flat 25 MiB buckets as DDP does (with the loss in the
-last one), as the cost model prices it. Afterwards every replica's gradient is the same, so each rank's optimizer steps
-locally and the replicas stay identical.
+last one), as the cost model prices it. Afterwards every replica's gradient is the same, so
+each rank's optimizer steps locally and the replicas stay identical.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ micro-batch time t_s (its own formula above at batch/m, plus sending the boundar
 and its gradient over the slowest link to the next stage) repeats m times, and the last
 micro-batch leaves the pipe k-1 slots after the first: T = (m + k - 1) max_s t_s + max_s
 sync_s, i.e. a bubble of (k-1) max_s t_s. All m micro-batches' activations stay in memory.
+
+Uneven data parallelism (StagePlan.shares, one-stage plans): row j of mesh axis 0 computes its
+own share b_j of the batch on its own devices (its formula above at b_j, on the row's
+sub-mesh, with its own step overhead), then the rows' gradient shards are summed over axis 0
+in flat buckets: T = max_j T_j + inner sync + sum_buckets all_reduce(axis 0) (uneven_cost).
 """
 
 from __future__ import annotations
@@ -483,8 +488,8 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
                       max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
 
 
-def row_tables(graph: LayerGraph, st: StagePlan, row: tuple[int, ...], share: float,
-               cluster: Cluster, options: CostOptions | None = None) -> StageTables:
+def row_tables(graph: LayerGraph, row: tuple[int, ...], share: float, cluster: Cluster,
+               options: CostOptions | None = None) -> StageTables:
     """Tables of one row of an uneven plan: the graph at `share` samples on the row's devices
     (1-D plans: one device)."""
     return stage_tables(graph.scaled(share / graph.batch), Mesh((len(row),), row), cluster, options)
@@ -530,8 +535,9 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     """Uneven data parallelism (StagePlan.shares), as parallel.uneven runs it: row j computes
     its share alone (its own tables at shares[j] samples, its inner signatures on its devices),
     then the gradient shards (and the loss) are summed over mesh axis 0 in flat buckets, one
-    all-reduce per bucket (the ops' rows show their inner sync only). T = max_j (row j's compute, inner communication and step overhead) + inner sync
-    + outer all-reduce. Each row's memory must fit its smallest member."""
+    all-reduce per bucket (the ops' rows show their inner sync only). T = max_j (row j's
+    compute, inner communication and step overhead) + inner sync + outer all-reduce. Each
+    row's memory must fit its smallest member."""
     try:
         check_shares(plan, graph.batch)
     except TypeError as e:
@@ -544,7 +550,7 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     comm = mesh_comm(cluster, st.mesh, o.collective_factors, o.collective_call_s)
     rows = []
     for row, share in zip(st.rows(), st.shares, strict=True):
-        tab = row_tables(graph, st, row, share, cluster, options)
+        tab = row_tables(graph, row, share, cluster, options)
         a = tab.index_of(inner)
         oc = tab.op_costs(a)
         sync = sum(x.sync_s for x in oc)

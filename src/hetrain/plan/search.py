@@ -342,8 +342,7 @@ def uneven_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh, o: SearchOption
         rows = StagePlan(mesh, ops, ("dp",) * len(ops)).rows()
         slowest = min(rows, key=lambda r: min(cluster.devices[d].flops for d in r))
         try:
-            tab = row_tables(graph, StagePlan(mesh, ops, ()), slowest,
-                             graph.batch // mesh.shape[0], cluster, cost_options)
+            tab = row_tables(graph, slowest, graph.batch // mesh.shape[0], cluster, cost_options)
         except ConfigError:
             return None
         a, _ = search_stage(tab, o)

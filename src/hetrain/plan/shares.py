@@ -57,8 +57,8 @@ def balanced_shares(graph: LayerGraph, st: StagePlan, cluster: Cluster,
     for row in st.rows():
         inner = st.inner_signatures()
         try:
-            hi_tab = row_tables(graph, st, row, total, cluster, options)
-            lo_tab = row_tables(graph, st, row, lo, cluster, options)
+            hi_tab = row_tables(graph, row, total, cluster, options)
+            lo_tab = row_tables(graph, row, lo, cluster, options)
             a_hi, a_lo = hi_tab.index_of(inner), lo_tab.index_of(inner)
         except ConfigError:
             return None
