@@ -45,6 +45,7 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from autoddl_predicted_vs_measured import GPT, M4, M22, _calibrate, models, options_from
+from common import results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.plan.cost import CostOptions, Plan, plan_cost
@@ -52,7 +53,7 @@ from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
 from hetrain.workloads.base import cross_entropy
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 MEM_BIG, MEM_SMALL = 0.6, 0.3
 """Device memory caps of the `capped` cluster, as fractions of the whole model's need."""
 TORCHTITAN = "dp-tp"
@@ -189,23 +190,15 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    from hetrain.parallel.launch import run_local
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
-    repeats = []
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        res = run_local(worker, 4, (args.steps,), timeout_s=1800)[0]
-        summ = summarise(res)
-        repeats.append(dict(result=res, summary=summ, wall_s=time.perf_counter() - t0))
-        print(f"repeat {r} ({repeats[-1]['wall_s']:.0f} s): " + "; ".join(
-            f"{c}: searched {s['searched']!r} {s['searched_over_best']:.3f}x the best "
-            f"(hetrain run's {s['as_run_over_best']:.3f}x) "
-            f"({s['best']!r}), torchtitan-style {s['torchtitan_over_searched']:.3f}x the "
-            f"searched, spearman {s['spearman']:.2f}" for c, s in summ.items()), flush=True)
+    repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, _: "; ".join(
+        f"{c}: searched {s['searched']!r} {s['searched_over_best']:.3f}x the best "
+        f"(hetrain run's {s['as_run_over_best']:.3f}x) "
+        f"({s['best']!r}), torchtitan-style {s['torchtitan_over_searched']:.3f}x the "
+        f"searched, spearman {s['spearman']:.2f}" for c, s in summ.items()))
     write(repeats, args)
 
 

@@ -41,6 +41,7 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from autoddl_predicted_vs_measured import M4, _collective_times, _fit_collectives
+from common import results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.parallel.execute import make_executor
@@ -51,7 +52,7 @@ from hetrain.plan.search import SearchOptions, search_plan, template_plan
 from hetrain.workloads import MODELS
 from hetrain.workloads.base import cross_entropy
 
-OUT = Path(__file__).parent / "results"
+OUT = results_dir()
 GPT = dict(n_layer=2, n_head=4, n_embd=128, vocab=128, T=64, B=32)
 SLOWDOWN = (4.0, 4.0, 2.0, 1.0)
 """Per rank: the fastest device's speed over this one's (speeds 1:1:2:4)."""
@@ -215,24 +216,16 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    from hetrain.parallel.launch import run_local
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
-    repeats = []
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        res = run_local(worker, 4, (args.steps,), timeout_s=1800)[0]
-        summ = summarise(res)
-        repeats.append(dict(result=res, summary=summ, wall_s=time.perf_counter() - t0))
-        print(f"repeat {r} ({repeats[-1]['wall_s']:.0f} s): searched {summ['searched']!r}: "
-              f"even dp / searched {summ['even_over_searched']:.2f}x (predicted "
-              f"{summ['predicted_even_over_searched']:.2f}x), lone fastest / searched "
-              f"{summ['lone_over_searched']:.2f}x (predicted "
-              f"{summ['predicted_lone_over_searched']:.2f}x), spearman {summ['spearman']:.2f}, "
-              f"overruns {sum(res['overruns'].values())}", flush=True)
+    repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, res: (
+        f"searched {summ['searched']!r}: even dp / searched {summ['even_over_searched']:.2f}x "
+        f"(predicted {summ['predicted_even_over_searched']:.2f}x), lone fastest / searched "
+        f"{summ['lone_over_searched']:.2f}x (predicted "
+        f"{summ['predicted_lone_over_searched']:.2f}x), spearman {summ['spearman']:.2f}, "
+        f"overruns {sum(res['overruns'].values())}"))
     write(repeats, args)
 
 

@@ -1,5 +1,5 @@
-"""What several benchmarks share: the median (min-max) summary of per-seed figures, and the
-stated policy for a seed that misses a target.
+"""What several benchmarks share: the median (min-max) summary of per-seed figures, the
+stated policy for a seed that misses a target, and repeats of one spawn of gloo processes.
 
 Policy for new benchmarks (goodput.py's, stated in its docstring): a seed that misses a
 target within the run has an infinite time to target; it stays in the median and the miss
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 RESULTS_ENV = "HETRAIN_BENCH_RESULTS"
 
@@ -36,3 +38,21 @@ def spread(values: Iterable[float | None]) -> tuple[float, float, float] | None:
     if not got:
         return None
     return statistics.median(got), min(got), max(got)
+
+
+def spawned_repeats(worker: Callable[..., Any], args: tuple[Any, ...], repeats: int,
+                    summarise: Callable[[Any], Any], describe: Callable[[Any, Any], str],
+                    world: int = 4) -> list[dict[str, Any]]:
+    """`repeats` times: spawn `world` gloo processes running worker(rank, world, *args), keep
+    rank 0's result, its summary and the wall time; print one line per repeat
+    (describe(summary, result))."""
+    from hetrain.parallel.launch import run_local
+
+    out = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        res = run_local(worker, world, args, timeout_s=1800)[0]
+        summ = summarise(res)
+        out.append(dict(result=res, summary=summ, wall_s=time.perf_counter() - t0))
+        print(f"repeat {r} ({out[-1]['wall_s']:.0f} s): {describe(summ, res)}", flush=True)
+    return out
