@@ -53,10 +53,14 @@ def spearman_per_repeat(repeats: list[dict[str, Any]], fit: Any) -> dict[str, li
     out: dict[str, list[float]] = {m: [] for m in graphs}
     for rep in repeats:
         c = dict(rep["calibration"])
-        fits = [fit([tuple(r) for r in rows]) for rows in c["collective_rows"]]  # before, after
-        c["call_s"], c["alpha_s"], c["beta_Bps"] = (statistics.mean(f[i] for f in fits) for i in range(3))
-        c["factors"] = [(k, (a + b[1]) / 2, (x + b[2]) / 2)
-                        for (k, a, x), b in zip(fits[0][3], fits[1][3], strict=True)]
+        # one fit per calibration (before, [halfway,] after), combined as the benchmark does:
+        # each figure's median (with two calibrations, their mean)
+        fits = [fit([tuple(r) for r in rows]) for rows in c["collective_rows"]]
+        c["call_s"], c["alpha_s"], c["beta_Bps"] = (statistics.median(f[i] for f in fits)
+                                                    for i in range(3))
+        c["factors"] = [(k, statistics.median(f[3][j][1] for f in fits),
+                         statistics.median(f[3][j][2] for f in fits))
+                        for j, (k, _, _) in enumerate(fits[0][3])]
         cluster, options = bench.cluster_from(c["flops"], c["alpha_s"], c["beta_Bps"]), bench.options_from(c)
         for m, graph in graphs.items():
             idx = [i for i, r in enumerate(rep["rows"]) if r["model"] == m and r["plan"] != "searched"]

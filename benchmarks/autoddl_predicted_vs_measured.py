@@ -292,7 +292,10 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
             opt = torch.optim.SGD(list(model.parameters()), lr=0.01, foreach=False)
             runs.append((name, label, ex, opt, batch, []))
             plans.setdefault(name, {})[label] = plan.to_dict()
+    cals = [calib]
     for k in range(steps + 2):
+        if k == (steps + 2) // 2:  # a calibration halfway through the runs, too
+            cals.append(_calibrate(rank, world))
         for _, _, ex, opt, (x, y), times in runs:
             dist.barrier()
             t0 = time.perf_counter()
@@ -303,17 +306,26 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     measured: dict[str, dict[str, float]] = {}
     for name, label, _, _, _, times in runs:
         measured.setdefault(name, {})[label] = statistics.median(times)
-    # calibrate again after the runs: the prediction uses the mean of both, i.e. the machine's
-    # state (load from other work) over the whole run, not only at its start
-    return _mean_calibration(calib, _calibrate(rank, world)) | {"measured": measured, "plans": plans}
+    # calibrate again after the runs: the prediction uses each figure's median over the three
+    # calibrations (before, halfway, after), i.e. the machine's state (load from other work)
+    # over the whole run, robust to one calibration caught in a burst of load (with the mean
+    # of before and after, one repeat's per-call cost came out 743 us against 1131-1340 us)
+    cals.append(_calibrate(rank, world))
+    return _median_calibration(cals) | {"measured": measured, "plans": plans}
 
 
-def _mean_calibration(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    fb = {k: (x, y) for k, x, y in b["factors"]}
-    return {**{k: (a[k] + b[k]) / 2 for k in ("flops", "alpha_s", "beta_Bps", "call_s")},
-            "factors": [(k, (x + fb[k][0]) / 2, (y + fb[k][1]) / 2) for k, x, y in a["factors"]],
-            **{d: {k: (v + b[d][k]) / 2 for k, v in a[d].items()} for d in ("op_overhead_s", "kind_speed")},
-            "collective_rows": [a["collective_rows"], b["collective_rows"]]}  # raw, before and after
+def _median_calibration(cals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each calibrated figure's median over the calibrations (raw collective rows kept)."""
+    def med(get: Any) -> float:
+        return statistics.median(get(c) for c in cals)
+
+    factors = [{k: (x, y) for k, x, y in c["factors"]} for c in cals]
+    return {**{k: med(lambda c, k=k: c[k]) for k in ("flops", "alpha_s", "beta_Bps", "call_s")},
+            "factors": [(k, statistics.median(f[k][0] for f in factors),
+                         statistics.median(f[k][1] for f in factors)) for k in factors[0]],
+            **{d: {k: med(lambda c, d=d, k=k: c[d][k]) for k in cals[0][d]}
+               for d in ("op_overhead_s", "kind_speed")},
+            "collective_rows": [c["collective_rows"] for c in cals]}  # raw, in order
 
 
 def main() -> None:
@@ -405,7 +417,8 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
     md = [f"<!-- made by: {cmd} -->", "# Predicted vs measured step time (4 gloo processes, this machine)",
           "", f"Command: `{cmd}`; {len(repeats)} repeat(s), {args.steps} timed steps per plan "
           "(median), 2-core machine shared with other work (real processes, measured).", "",
-          "Calibration (repeat 0, microbenchmarks only, before and after the runs): matmul "
+          "Calibration (repeat 0, microbenchmarks only, before, halfway through and after the "
+          "runs, each figure's median): matmul "
           f"{c['flops']:.3g} FLOP/s per rank "
           f"(median of the 4 running at once), all-reduce fit alpha {c['alpha_s'] * 1e6:.0f} us, "
           f"beta {c['beta_Bps'] / 1e6:.0f} MB/s; other collectives vs the ring formula "
@@ -429,8 +442,8 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
               for k in keys) + "; between single repeats, every pair: " + ", ".join(
               f"{m} {[round(x, 2) for x in _measured_agreement(repeats, m)]}"
               for m in keys if m != "pooled") + ".", "",
-          "Predicted: repeat 0's calibration (mean of the microbenchmarks before and after the plan "
-          "runs). `searched` is the plan the search picks for each repeat's calibration before "
+          "Predicted: repeat 0's calibration (each figure's median over the microbenchmarks before, "
+          "halfway through and after the plan runs). `searched` is the plan the search picks for each repeat's calibration before "
           "its runs (it may differ between repeats; the row shows repeat 0's).", "",
           "| model | plan | mesh | signatures | predicted s | measured s (median over repeats) | spread |",
           "|---|---|---|---|---|---|---|"]
