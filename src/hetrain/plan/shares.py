@@ -47,15 +47,16 @@ def granularity(st: StagePlan) -> int:
 
 def balanced_shares(graph: LayerGraph, st: StagePlan, cluster: Cluster,
                     options: CostOptions | None = None) -> tuple[int, ...] | None:
-    """The shares minimising the slowest row's predicted time within every row's memory, or
-    None when some row would get no sample or no split fits memory."""
+    """The shares minimising the slowest row's predicted time within every row's memory, each
+    row at least one unit; None when the batch cannot give every row a unit or no such split
+    fits memory."""
     g, total = granularity(st), graph.batch
     if total % g or total < g * st.mesh.shape[0]:
         return None
     lo = max(g, (total // 2) // g * g)
     fixed, per, caps = [], [], []
+    inner = st.inner_signatures()
     for row in st.rows():
-        inner = st.inner_signatures()
         try:
             hi_tab = row_tables(graph, row, total, cluster, options)
             lo_tab = row_tables(graph, row, lo, cluster, options)
