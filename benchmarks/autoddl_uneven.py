@@ -5,14 +5,14 @@
 Per repeat, one spawn of 4 CPU gloo processes (one thread each), rank r standing for cluster
 device r of speeds 1:1:2:4 (ranks 0-1 slowest, rank 3 fastest). Device speed is emulated the
 way the strategies' real engine does it (hetrain.engine.emulate): a rank's forward + backward
-is padded to a budget, K x slowdown x this machine's solo time, t(b) = a + c b fitted from
-rank 0 alone at two batch sizes (the others wait), K = 3 (dist.contention_k's default) for 4 processes on 2 cores (real
-compute above the budget is counted as an overrun and reported). The padding sits once per step
-before the gradient sync: exact for data-parallel plans (no communication inside forward and
-backward), approximate for plans with tensor-parallel ops, whose collectives inside the step
-do not wait for a slow member's emulated compute. Every plan, the lone fastest device
-included, runs at that K; links are the real loopback gloo, their costs calibrated by
-the same collective microbenchmarks as autoddl_predicted_vs_measured.py.
+is padded to a budget, K x slowdown x this machine's solo time, t(b) = a + c b fitted from rank
+0 alone at two batch sizes (the others wait), K = 3 (dist.contention_k's default) for 4
+processes on 2 cores (real compute above the budget is counted as an overrun and reported). The
+padding sits once per step before the gradient sync: exact for data-parallel plans (no
+communication inside forward and backward), approximate for plans with tensor-parallel ops,
+whose collectives inside the step do not wait for a slow member's emulated compute. Every plan,
+the lone fastest device included, runs at that K; links are the real loopback gloo, their costs
+calibrated by the same collective microbenchmarks as autoddl_predicted_vs_measured.py.
 
 The planner sees the cluster those budgets define (emulate.calibrated_cluster's formula:
 step_overhead_s = K s a, flops = per-sample FLOPs / (K s c)) and the calibrated collectives.
