@@ -44,6 +44,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hetrain.cluster import Cluster, homogeneous
+from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
 from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
 from hetrain.plan.cost import Plan
@@ -145,8 +146,6 @@ class Padding:
     def __call__(self, start: float, samples: int) -> None:
         if self.budget is None:
             return
-        from hetrain.engine.emulate import sleep_until
-
         if sleep_until(start + self.budget(samples)) == 0.0:
             self.overruns += 1
 

@@ -64,9 +64,9 @@ from hetrain.errors import ConfigError
 from hetrain.plan.cost import (
     CostOptions,
     Plan,
-    check_shares,
     plan_cost,
     read_plan_file,
+    require_shares,
     stage_graphs,
     training_flops_per_sample,
 )
@@ -248,10 +248,7 @@ def _layout(plan: Plan) -> str:
 def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
     """A plan with batch shares: legal shares for this batch and, on a 2-D mesh, inner
     signatures that every row can run on its share (a split of the batch must divide it)."""
-    try:
-        check_shares(plan, graph.batch)
-    except TypeError as e:
-        raise ConfigError(f"plan: {e}") from None
+    require_shares(plan, graph.batch)
     st = plan.stages[0]
     if len(st.mesh.shape) == 1:
         return  # every row is one device running the plain model
@@ -806,6 +803,11 @@ def _evaluate(log: MetricsLog, reference: nn.Module, weights: dict[str, Tensor],
                       bytes_total=0)
 
 
+def _split_evenly(total: int, n: int) -> list[int]:
+    """`total` as n whole parts differing by at most one, the larger first."""
+    return [total // n + (1 if i < total % n else 0) for i in range(n)]
+
+
 def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: int,
                   plan: Plan | None = None) -> None:
     """Per device: seconds inside training steps (compute and communication: they are not
@@ -813,14 +815,14 @@ def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: i
     shares every sample's work among them), or, under batch shares, each row's share split
     evenly over its devices."""
     n = len(log.workers)
-    counts = [samples // n + (1 if i < samples % n else 0) for i in range(n)]
+    counts = _split_evenly(samples, n)
     st = plan.stages[0] if plan is not None else None
     if st is not None and st.shares:
         counts = [0] * n
         for share, row in zip(st.shares, st.rows(), strict=True):
-            mine = samples * share // sum(st.shares)
-            for k, d in enumerate(row):
-                counts[d] = mine // len(row) + (1 if k < mine % len(row) else 0)
+            for d, c in zip(row, _split_evenly(samples * share // sum(st.shares), len(row)),
+                            strict=True):
+                counts[d] = c
     for i, w in enumerate(log.workers):
         b = busy[i] if i < len(busy) else 0.0
         w.busy_s, w.comm_s, w.idle_s = b, 0.0, max(0.0, elapsed - b)

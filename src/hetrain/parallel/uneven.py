@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
 from hetrain.parallel.execute import ComputeBudget, Padding, PlanExecutor
-from hetrain.plan.cost import Plan, StagePlan, buckets, check_shares
+from hetrain.plan.cost import Plan, StagePlan, buckets, require_shares
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
 
@@ -65,10 +65,7 @@ class UnevenExecutor:
                  loss_fn: Callable[[Tensor, Tensor], Tensor], cluster: Cluster | None = None,
                  compute_budget: ComputeBudget | None = None):
         """`compute_budget` emulates a slower device (execute.ComputeBudget)."""
-        try:
-            check_shares(plan, graph.batch)
-        except TypeError as e:
-            raise ConfigError(f"plan: {e}") from None
+        require_shares(plan, graph.batch)
         st = plan.stages[0]
         if max(st.mesh.devices) >= dist.get_world_size():
             raise ConfigError(f"the plan names device {max(st.mesh.devices)}, the group has "

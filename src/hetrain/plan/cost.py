@@ -113,9 +113,8 @@ class StagePlan:
     shares: tuple[int, ...] = ()
 
     def rows(self) -> list[tuple[int, ...]]:
-        """The devices at each index of mesh axis 0 (row-major: a row of the inner axis)."""
-        k = len(self.mesh.devices) // self.mesh.shape[0]
-        return [self.mesh.devices[j * k:(j + 1) * k] for j in range(self.mesh.shape[0])]
+        """The devices at each index of mesh axis 0 (Mesh.rows)."""
+        return self.mesh.rows()
 
     def inner_signatures(self) -> tuple[str, ...]:
         """The signatures without their axis-0 part ("dp,col" -> "col"; 1-D "dp" -> "dp" on a
@@ -213,6 +212,14 @@ def check_shares(plan: Plan, batch: int | None = None) -> None:
         if batch is not None and sum(st.shares) != batch:
             raise TypeError(f"shares {list(st.shares)} sum to {sum(st.shares)}, not the batch "
                             f"{batch}")
+
+
+def require_shares(plan: Plan, batch: int) -> None:
+    """check_shares for a plan about to be priced or run: one ConfigError line."""
+    try:
+        check_shares(plan, batch)
+    except TypeError as e:
+        raise ConfigError(f"plan: {e}") from None
 
 
 PLAN_FORMAT = 1
@@ -538,10 +545,7 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     all-reduce per bucket (the ops' rows show their inner sync only). T = max_j (row j's
     compute, inner communication and step overhead) + inner sync + outer all-reduce. Each
     row's memory must fit its smallest member."""
-    try:
-        check_shares(plan, graph.batch)
-    except TypeError as e:
-        raise ConfigError(f"plan: {e}") from None
+    require_shares(plan, graph.batch)
     st = plan.stages[0]
     if tuple(op.name for op in graph.ops) != st.ops:
         raise ConfigError(f"plan stage ops do not match graph '{graph.name}'")

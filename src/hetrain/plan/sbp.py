@@ -205,6 +205,11 @@ class Mesh:
         rows = [self.devices[i * b:(i + 1) * b] for i in range(a)]
         return rows if axis == 1 else [tuple(r[j] for r in rows) for j in range(b)]
 
+    def rows(self) -> list[tuple[int, ...]]:
+        """The devices at each index of axis 0: one device each on a 1-D mesh, a row of the
+        inner axis (groups(1)) on a 2-D one."""
+        return self.groups(1) if len(self.shape) == 2 else [(d,) for d in self.devices]
+
 
 @lru_cache(maxsize=1024)
 def _valid_states(divisible: tuple[tuple[bool, ...], ...], ms: tuple[int, ...]) -> frozenset[NdSbp]:

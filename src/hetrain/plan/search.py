@@ -339,8 +339,7 @@ def uneven_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh, o: SearchOption
     if len(mesh.shape) == 1:
         stage = StagePlan(mesh, ops, ("dp",) * len(ops))
     else:
-        rows = StagePlan(mesh, ops, ("dp",) * len(ops)).rows()
-        slowest = min(rows, key=lambda r: min(cluster.devices[d].flops for d in r))
+        slowest = min(mesh.rows(), key=lambda r: min(cluster.devices[d].flops for d in r))
         try:
             tab = row_tables(graph, slowest, graph.batch // mesh.shape[0], cluster, cost_options)
         except ConfigError:

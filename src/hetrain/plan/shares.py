@@ -31,11 +31,9 @@ from hetrain.plan.sbp import Mesh
 
 def rows_differ(cluster: Cluster, mesh: Mesh) -> bool:
     """Whether the rows of the mesh differ in pace or room (else even shares are optimal)."""
-    k = len(mesh.devices) // mesh.shape[0]
-    rows = [mesh.devices[j * k:(j + 1) * k] for j in range(mesh.shape[0])]
     devs = cluster.devices
     keys = {(min(devs[d].flops for d in r), min(devs[d].memory_bytes for d in r),
-             max(devs[d].step_overhead_s for d in r)) for r in rows}
+             max(devs[d].step_overhead_s for d in r)) for r in mesh.rows()}
     return mesh.shape[0] > 1 and len(keys) > 1
 
 
