@@ -121,16 +121,20 @@ def options_of(calib: dict[str, Any]) -> CostOptions:
 
 
 def calibrate(rank: int, world: int) -> dict[str, Any]:
-    ac = [0.0, 0.0]
+    """Rank 0's solo fit and collective fit, broadcast as one float tensor (every rank plans
+    with identical numbers; nothing received is unpickled)."""
+    ac = (0.0, 0.0)
     dist.barrier()
     if rank == 0:
-        ac = list(solo_fit())
-    rows = _collective_times(world)
-    call_s, alpha, beta, factors = _fit_collectives(rows)
-    calib = [dict(a=ac[0], c=ac[1], call_s=call_s, alpha_s=alpha, beta_Bps=beta,
-                  factors=factors)]
-    dist.broadcast_object_list(calib, src=0)
-    return calib[0]
+        ac = solo_fit()
+    call_s, alpha, beta, factors = _fit_collectives(_collective_times(world))
+    kinds = [k for k, _, _ in factors]
+    flat = torch.tensor([*ac, call_s, alpha, beta, *(x for _, fa, fb in factors for x in (fa, fb))],
+                        dtype=torch.float64)
+    dist.broadcast(flat, src=0)
+    v = flat.tolist()
+    return dict(a=v[0], c=v[1], call_s=v[2], alpha_s=v[3], beta_Bps=v[4],
+                factors=[(k, v[5 + 2 * i], v[6 + 2 * i]) for i, k in enumerate(kinds)])
 
 
 def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], dict[str, str]]:
