@@ -17,8 +17,9 @@ calibrated by the same collective microbenchmarks as autoddl_predicted_vs_measur
 The planner sees the cluster those budgets define (emulate.calibrated_cluster's formula:
 step_overhead_s = K s a, flops = per-sample FLOPs / (K s c)) and the calibrated collectives.
 Measured side by side, steps interleaved round-robin, median of --steps timed AdamW steps after
-2 warm-up steps, every plan on the same global batch (so every plan makes the same updates and
-the step-time ratio is the time-to-accuracy ratio): every one-stage candidate of the search
+2 warm-up steps, every plan on the same global batch and lr (the same updates; the lone device
+is not tuned over batch and lr here, so this is a step-time comparison, not time to accuracy):
+every one-stage candidate of the search
 (even and uneven shares; pipelines are left out: their executor has no emulation hook), the
 lone fastest device, and even data parallelism over all 4. Reported: the searched plan against
 even data parallel over 4 and against the lone fastest device, predicted and measured, and
@@ -250,8 +251,9 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"each; {args.steps} timed AdamW steps per plan (median), steps interleaved; GPT "
           f"n_layer {GPT['n_layer']}, n_embd {GPT['n_embd']}, batch {GPT['B']} x {GPT['T']}; "
           f"compute padded to K = {K} x slowdown x the solo time of this 2-core machine "
-          "(every plan, the lone device too); loopback gloo links. Same global batch and "
-          "updates for every plan: step-time ratios are time-to-accuracy ratios.", "",
+          "(every plan, the lone device too); loopback gloo links. Same global batch and lr, so "
+          "the same updates, for every plan: a step-time comparison, not time to accuracy "
+          "against a lone device tuned over batch and lr on held-out seeds.", "",
           "| | measured, median (min-max) | predicted, median |", "|---|---|---|",
           f"| even data parallel over 4 / searched | "
           f"{_med([s['even_over_searched'] for s in ss])} | "
