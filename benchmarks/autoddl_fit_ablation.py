@@ -25,6 +25,7 @@ import numpy as np
 from scipy.optimize import nnls
 from scipy.stats import spearmanr
 
+from hetrain.parallel.calibrate import _FORMULA, fit_collectives
 from hetrain.plan.cost import plan_cost
 from hetrain.plan.search import template_plan
 
@@ -33,7 +34,7 @@ Fit = tuple[float, float, float, list[tuple[str, float, float]]]
 
 def fit_single_calls_only(rows: list[tuple[str, int, int, float]]) -> Fit:
     """The fit before the both-axes rows joined it."""
-    f = bench._FORMULA
+    f = _FORMULA
     sel = [r for r in rows if r[0] == "all_reduce"]
     a = np.array([[1.0, f["all_reduce"](p)[0], f["all_reduce"](p)[1] * n] for _, p, n, _ in sel])
     (call_s, alpha, inv_beta), _ = nnls(a, np.array([r[3] for r in sel]))
@@ -81,7 +82,7 @@ def main() -> None:
           "", f"Command: `{cmd}`, on the timings of `{data['command']}` ({len(data['repeats'])} "
           "repeats). Spearman of each repeat's template-plan predictions against the measured "
           "order over all repeats; median (per repeat).", "", "| fit | gpt | vgg |", "|---|---|---|"]
-    for label, fit in (("with the both-axes all-reduce (the benchmark's)", bench._fit_collectives),
+    for label, fit in (("with the both-axes all-reduce (the benchmark's)", fit_collectives),
                        ("single calls over 2 and 4 only (before)", fit_single_calls_only)):
         r = spearman_per_repeat(data["repeats"], fit)
         md.append(f"| {label} | " + " | ".join(

@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from scipy.stats import spearmanr
 
 from hetrain.cluster import Cluster, Device, Link, Site
+from hetrain.parallel.calibrate import calibrate, cost_options, median_calibration
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, stage_tables
 from hetrain.plan.graph import LayerGraph, gpt_graph, vgg_graph
 from hetrain.plan.sbp import Mesh
@@ -79,11 +79,7 @@ def cluster_from(flops: float, alpha_s: float, beta_Bps: float) -> Cluster:
 
 
 def options_from(calib: dict[str, Any]) -> CostOptions:
-    return CostOptions(optimizer_states=0.0,
-                       collective_factors=tuple(tuple(f) for f in calib["factors"]),  # type: ignore[misc]
-                       collective_call_s=calib["call_s"],
-                       op_overhead_s=tuple(sorted(calib["op_overhead_s"].items())),
-                       kind_speed=tuple(sorted(calib["kind_speed"].items())))
+    return cost_options(calib, CostOptions(optimizer_states=0.0))
 
 
 def plans_for(graph: LayerGraph, cluster: Cluster, options: CostOptions) -> dict[str, Plan]:
@@ -94,181 +90,10 @@ def plans_for(graph: LayerGraph, cluster: Cluster, options: CostOptions) -> dict
     return out
 
 
-_FORMULA = {  # (latency steps, byte fraction) of each ring collective over p devices
-    "all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
-    "all_gather": lambda p: (p - 1, (p - 1) / p),
-    "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
-    "all_to_all": lambda p: (p - 1, (p - 1) / p**2),
-}
-_WEIGHTED = ("linear", "conv", "embedding", "layernorm")  # the cost model's 3x (else 2x)
-
-
-def _time_s(fn: Any, calls: int = 8, reps: int = 7) -> float:
-    """Median over reps of the mean time of `calls` back-to-back calls, all ranks starting
-    together: back to back, as the executor's per-tensor gradient loop and ops run. The
-    median, not the least: the 4 ranks share 2 cores, and that contention is part of every
-    plan's step; the least caught moments a rank ran alone and made the replicated plan
-    look 2.7x faster than it runs. 7 repeats (3 before: the fitted per-call cost varied
-    309-1110 us between repeats)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls)
-    return statistics.median(out)
-
-
-def _collective_times(world: int) -> list[tuple[str, int, int, float]]:
-    """(kind, group size p, bytes held by one group, seconds) of DTensor redistributions (what
-    the executor calls) on the 1-D mesh of 4 and on each axis of the 2 x 2 mesh (two groups of
-    2 at once), 4 KiB..4 MiB."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
-
-    meshes = [(init_device_mesh("cpu", (world,)), 0), *((init_device_mesh("cpu", (2, 2)), a) for a in (0, 1))]
-    moves = {"all_reduce": (Partial(), Replicate()), "all_gather": (Shard(0), Replicate()),
-             "reduce_scatter": (Partial(), Shard(0)), "all_to_all": (Shard(0), Shard(1))}
-    out = []
-    for mesh, axis in meshes:
-        p = mesh.shape[axis]
-        for kind, (src, dst) in moves.items():
-            for nbytes in [2**k for k in (9, *range(12, 23, 2))]:
-                full = torch.zeros(max(nbytes // 4 // 32, 4), 32)
-                pl_src = [Replicate()] * mesh.ndim
-                pl_dst = list(pl_src)
-                pl_src[axis], pl_dst[axis] = src, dst
-                x = distribute_tensor(full, mesh, [Replicate() if isinstance(q, Partial) else q
-                                                   for q in pl_src], src_data_rank=None)
-                if isinstance(src, Partial):
-                    x = type(x).from_local(x.to_local(), mesh, pl_src, run_check=False)
-                out.append((kind, p, nbytes, _time_s(lambda x=x, d=pl_dst, m=mesh: x.redistribute(m, d))))
-    mesh = meshes[1][0]  # partial on both axes of the 2 x 2 mesh -> replicated: DTensor runs
-    for nbytes in [2**k for k in (9, *range(12, 23, 2))]:  # one all-reduce per axis, in turn
-        full = torch.zeros(max(nbytes // 4 // 32, 4), 32)
-        x = distribute_tensor(full, mesh, [Replicate(), Replicate()], src_data_rank=None)
-        x = type(x).from_local(x.to_local(), mesh, [Partial(), Partial()], run_check=False)
-        out.append(("all_reduce_both_axes", 2, nbytes,
-                    _time_s(lambda x=x, m=mesh: x.redistribute(m, [Replicate(), Replicate()]))))
-    return out
-
-
-def _fit_collectives(rows: list[tuple[str, int, int, float]]) -> tuple[float, float, float, list[tuple[str, float, float]]]:
-    """(call_s, alpha, beta, factors): all-reduce over both group sizes fit to t = call_s +
-    steps(p) alpha + frac(p) n / beta (a fixed per-call cost plus the ring formula), then each
-    other collective's (latency, per-byte) factors against that ring with the same call_s.
-
-    The all-reduce over both axes of the 2 x 2 mesh (two calls of the p=2 ring in turn) joins
-    the fit: with only p=2 and p=4 single calls the split between call_s and alpha was
-    ill-determined, and it decides whether a 1-D all-reduce of 4 beats two of 2 (data vs 2-D
-    data parallel). Refitting the same 5 repeats' timings without those rows gives VGG's
-    Spearman against the measured order 0.69 instead of 0.90 (templates only)."""
-    from scipy.optimize import nnls
-
-    def design(kind: str, calls: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        sel = [r for r in rows if r[0] == kind]
-        base = kind if calls == 1 else "all_reduce"
-        return (np.array([[*_FORMULA[base](p)[:1], _FORMULA[base](p)[1] * n] for _, p, n, _ in sel])
-                * calls, np.array([t for *_, t in sel]))
-
-    a1, y1 = design("all_reduce")
-    a2, y2 = design("all_reduce_both_axes", calls=2)  # two calls of the p=2 ring in turn
-    a = np.vstack([np.hstack([np.ones((len(y1), 1)), a1]), np.hstack([np.full((len(y2), 1), 2.0), a2])])
-    (call_s, alpha, inv_beta), _ = nnls(a, np.concatenate([y1, y2]))
-    alpha, inv_beta = max(alpha, 1e-7), max(inv_beta, 1e-12)
-    factors = []
-    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        a, y = design(kind)
-        (fa, fb), _ = nnls(a, np.maximum(y - call_s, 0.0))
-        factors.append((kind, max(fa, 1e-7) / alpha, max(fb, 1e-12) / inv_beta))
-    return float(call_s), float(alpha), float(1.0 / inv_beta), factors
-
-
-def _op_cases(s: int) -> dict[str, tuple[Any, list[torch.Tensor], float]]:
-    """kind -> (module or function, inputs, forward FLOPs by graph.py's conventions) at 1/s of
-    a base size (s=1 about the benchmark models' sizes, s=8 nearly pure overhead)."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    b, t, c, h = 16 // s, 32, 128 // s, 4
-    n, ch, px = b * t * c, 16 // s, 32 // s
-
-    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = (z.view(b, t, -1, c // h).transpose(1, 2) for z in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-
-    def x(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape)
-
-    return {"linear": (nn.Linear(c, c), [x(b, t, c)], 2.0 * n * c),
-            "layernorm": (nn.LayerNorm(c), [x(b, t, c)], 8.0 * n),
-            "attention": (attn, [x(b, t, c), x(b, t, c), x(b, t, c)], 4.0 * b * t * t * c + 5.0 * b * h * t * t),
-            "elementwise": (F.gelu, [x(b, t, 4 * c)], 8.0 * 4 * n),
-            "add": (torch.add, [x(b, t, c), x(b, t, c)], 1.0 * n),
-            "embedding": (nn.Embedding(256, c), [torch.randint(0, 256, (b, t))], 2.0 * n),
-            "conv": (nn.Conv2d(ch, ch, 3, padding=1), [x(2 * ch, ch, px, px)], 2.0 * 2 * ch * px * px * ch * ch * 9),
-            "cross_entropy": (F.cross_entropy, [x(b * t, 256), torch.randint(0, 256, (b * t,))], 4.0 * b * t * 256)}
-
-
-def _op_profile(world: int, flops: float) -> tuple[dict[str, float], dict[str, float]]:
-    """Per op kind, (fixed overhead s, throughput / matmul FLOP/s) of forward + backward of
-    replicated DTensors on the 1-D mesh, all ranks at once, from a small and a base size:
-    t(size) = overhead + c flops(size) / rate."""
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
-
-    register_cpu_sdpa_sharding()
-    mesh = init_device_mesh("cpu", (world,))
-    times: dict[tuple[str, int], tuple[float, float]] = {}
-    for s in (1, 8):
-        for kind, (fn, ins, fl) in _op_cases(s).items():
-            if isinstance(fn, nn.Module):
-                for pn, p in list(fn.named_parameters()):
-                    fn.register_parameter(pn, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
-            args = [distribute_tensor(z, mesh, [Replicate()]).requires_grad_(z.is_floating_point())
-                    for z in ins]
-
-            def step(fn: Any = fn, args: list[Any] = args) -> None:
-                out = fn(*args)
-                out.backward(torch.ones_like(out))
-
-            times[(kind, s)] = (_time_s(step, 5, 9), fl)
-    overhead, speed = {}, {}
-    for kind in _op_cases(1):
-        (tb, fb), (ts, fs) = times[(kind, 1)], times[(kind, 8)]
-        c = 3.0 if kind in _WEIGHTED else 2.0
-        per_flop = max(tb - ts, 0.05 * tb) / (c * (fb - fs))
-        overhead[kind] = max(ts - c * fs * per_flop, 0.0)
-        speed[kind] = 1.0 / per_flop / flops
-    return overhead, speed
-
-
 def _calibrate(rank: int, world: int) -> dict[str, Any]:
-    """Microbenchmarks only (no plan is timed), identical on every rank: matmul FLOP/s,
-    collectives (per-call cost, ring alpha/beta, per-collective factors), per-op-kind overhead
-    and throughput."""
-    a, b = torch.randn(512, 128), torch.randn(128, 512)
-    dist.barrier()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 2.0:
-        for _ in range(10):
-            a @ b
-        n += 10
-    mine = 2.0 * 512 * 128 * 512 * n / (time.perf_counter() - t0)
-    flops: list[float] = [0.0] * world
-    dist.all_gather_object(flops, mine)
-    rows = _collective_times(world)
-    call_s, alpha, beta, factors = _fit_collectives(rows)
-    overhead, speed = _op_profile(world, statistics.median(flops))
-    calib = [dict(flops=statistics.median(flops), alpha_s=alpha, beta_Bps=beta, factors=factors,
-                  call_s=call_s, op_overhead_s=overhead, kind_speed=speed, collective_rows=rows)]
-    dist.broadcast_object_list(calib, src=0)  # every rank searches with identical numbers
-    return calib[0]
+    """The full calibration (hetrain.parallel.calibrate: microbenchmarks only, no plan timed),
+    identical on every rank."""
+    return calibrate()
 
 
 def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
@@ -311,21 +136,7 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     # over the whole run, robust to one calibration caught in a burst of load (with the mean
     # of before and after, one repeat's per-call cost came out 743 us against 1131-1340 us)
     cals.append(_calibrate(rank, world))
-    return _median_calibration(cals) | {"measured": measured, "plans": plans}
-
-
-def _median_calibration(cals: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each calibrated figure's median over the calibrations (raw collective rows kept)."""
-    def med(get: Any) -> float:
-        return statistics.median(get(c) for c in cals)
-
-    factors = [{k: (x, y) for k, x, y in c["factors"]} for c in cals]
-    return {**{k: med(lambda c, k=k: c[k]) for k in ("flops", "alpha_s", "beta_Bps", "call_s")},
-            "factors": [(k, statistics.median(f[k][0] for f in factors),
-                         statistics.median(f[k][1] for f in factors)) for k in factors[0]],
-            **{d: {k: med(lambda c, d=d, k=k: c[d][k]) for k in cals[0][d]}
-               for d in ("op_overhead_s", "kind_speed")},
-            "collective_rows": [c["collective_rows"] for c in cals]}  # raw, in order
+    return median_calibration(cals) | {"measured": measured, "plans": plans}
 
 
 def main() -> None:

@@ -41,10 +41,11 @@ import torch.distributed as dist
 from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
-from autoddl_predicted_vs_measured import M4, _collective_times, _fit_collectives
+from autoddl_predicted_vs_measured import M4
 from common import results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
+from hetrain.parallel.calibrate import collective_times, fit_collectives
 from hetrain.parallel.execute import make_executor
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
 from hetrain.plan.graph import gpt_graph
@@ -128,7 +129,7 @@ def calibrate(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         ac = solo_fit()
-    call_s, alpha, beta, factors = _fit_collectives(_collective_times(world))
+    call_s, alpha, beta, factors = fit_collectives(collective_times(world))
     kinds = [k for k, _, _ in factors]
     flat = torch.tensor([*ac, call_s, alpha, beta, *(x for _, fa, fb in factors for x in (fa, fb))],
                         dtype=torch.float64)
