@@ -113,6 +113,10 @@ def test_auto_plan_trains_where_the_small_device_cannot_hold_the_model(auto_run:
     assert graph.param_bytes() * (2 + 2) > SMALL_CAP  # params + grads + Adam's 2 states
     summary = json.loads((auto_run / "summary.json").read_text())
     assert summary["strategy"] == "parallel" and summary["engine"] == "dist"
+    calib = summary["parallel"]["calibration"]  # parallel.calibrate is on by default
+    assert calib["compute"] is False  # dist.emulate = "cluster": compute is padded, not priced
+    assert calib["seconds"] < 60 and calib["beta_Bps"] > 0 and "collective_rows" not in calib
+    assert summary["parallel"]["uncalibrated_layout"]
     plan = Plan.from_dict(summary["parallel"]["plan"])
     assert summary["parallel"]["memory_bytes"] <= SMALL_CAP
     assert sorted(i for st in plan.stages for i in st.mesh.devices) == [0, 1]
@@ -135,7 +139,8 @@ def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) ->
     opts = [f"--model-option={k}={v}" for k, v in
             dict(n_layer=2, n_embd=32, n_head=2, vocab=vocab(), block_size=32).items()]
     assert main(["plan", "--cluster", str(tmp_path / "cluster.toml"), "--model", "gpt",
-                 "--batch", "8", *opts, "--out", str(plan_file), "--json"]) == 0
+                 "--batch", "8", *opts, "--out", str(plan_file), "--json",
+                 "--calibration", str(auto_run / "summary.json")]) == 0
     saved = json.loads(plan_file.read_text())
     assert saved["format"] == 1 and saved["devices"] == 2 and saved["batch"] == 8
     cfg = write_config(tmp_path, "file", parallel='plan = "plan.json"\nschedule = "1f1b"')
@@ -144,9 +149,37 @@ def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) ->
     got, ref = rows(tmp_path / "runs" / "file"), rows(auto_run)
     assert json.loads((tmp_path / "runs" / "file" / "summary.json").read_text())[
         "parallel"]["plan"]["stages"] == saved["stages"]
-    # the file holds the plan auto found: 1F1B trains like GPipe up to float order
+    # the file holds the plan auto found with the run's calibration: 1F1B trains like GPipe
+    # up to float order
     assert [x["test_loss"] for x in got] == pytest.approx([x["test_loss"] for x in ref],
                                                           rel=1e-4)
+
+
+def test_a_resumed_auto_run_keeps_its_checkpoint_s_plan(tmp_path: Path) -> None:
+    """plan = "auto" resumes under the plan its checkpoint was written with (a search at
+    another time, calibrated or not, may pick another); a plan file must match it."""
+    import dataclasses
+
+    from hetrain.cluster import load_cluster
+    from hetrain.config import load_config
+    from hetrain.errors import ConfigError
+    from hetrain.parallel.train import first_setup, make_setup, save_checkpoint
+    from hetrain.workloads import workload_from_config
+
+    cfg = load_config(write_config(tmp_path, "resumed"))
+    cfg = cfg.replace(train=dataclasses.replace(cfg.train, resume=True))
+    cluster, workload = load_cluster(cfg.cluster), workload_from_config(cfg.workload)
+    searched = Plan.from_dict(make_setup(cfg, cluster, workload).plan)
+    assert len(searched.stages) == 2
+    other = dataclasses.replace(searched, n_micro=2 if searched.n_micro != 2 else 4)
+    run_dir = tmp_path / "runs" / "resumed"
+    save_checkpoint(run_dir, {}, {}, [], {"config": cfg.to_dict(), "plan": other.to_dict()})
+    assert Plan.from_dict(first_setup(cfg, cluster, workload, run_dir).plan) == other
+    plan_file = tmp_path / "plan.json"
+    searched.save(str(plan_file), {})
+    with_file = cfg.replace(parallel=dataclasses.replace(cfg.parallel, plan=str(plan_file)))
+    with pytest.raises(ConfigError, match="another plan"):
+        first_setup(with_file, cluster, workload, run_dir)
 
 
 # Slow: by default test_ctrl_c_checkpoints_the_last_step_and_resume_matches_the_uncut_run

@@ -112,6 +112,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restarts", type=int, default=4, help="coordinate-descent starts per mesh")
     parser.add_argument("--optimizer-states", type=float, default=2.0,
                         help="optimizer state bytes per parameter byte (Adam 2, SGD 0)")
+    parser.add_argument("--calibration", default=None, metavar="SUMMARY_JSON",
+                        help="search with a [parallel] run's start-up calibration (its "
+                             "summary.json): the plan that run picked")
     parser.add_argument("--out", default=None, help="save the plan (.json or .toml) to replay it")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -123,26 +126,35 @@ def plan_from_args(args: argparse.Namespace, console: Console | None = None) -> 
     return plan_command(args.cluster, args.model, batch=args.batch, model_options=args.model_option,
                         pipeline=not args.no_pipeline, subsets=not args.no_subsets,
                         uneven=not args.no_uneven, restarts=args.restarts, optimizer_states=args.optimizer_states,
-                        out=args.out, as_json=args.json, console=console)
+                        calibration=args.calibration, out=args.out, as_json=args.json,
+                        console=console)
 
 
 def plan_command(cluster: str, model: str, *, batch: int = 32, model_options: Sequence[str] = (),
                  pipeline: bool = True, subsets: bool = True, uneven: bool = True,
                  restarts: int = 4,
-                 optimizer_states: float = 2.0, out: str | None = None, as_json: bool = False,
+                 optimizer_states: float = 2.0, calibration: str | None = None,
+                 out: str | None = None, as_json: bool = False,
                  console: Console | None = None) -> int:
-    """Search, print (tables or JSON), optionally save the plan; returns the exit code."""
+    """Search, print (tables or JSON), optionally save the plan; returns the exit code.
+    `calibration`: a file read by calibrate.read_calibration (the cost model's corrections
+    from a run's start-up microbenchmarks)."""
     check_number("--batch", batch, integer(1, 10**9))
     check_number("--restarts", restarts, integer(1, 100))
     check_number("--optimizer-states", optimizer_states, non_negative(100),
                  "optimizer state bytes per parameter byte: Adam 2, SGD+momentum 1, SGD 0")
     if out:
         check_output_file(out, "--out")
+    options = CostOptions(optimizer_states=optimizer_states)
+    if calibration:
+        from hetrain.parallel.calibrate import cost_options, read_calibration
+
+        calib = read_calibration(calibration)
+        options = cost_options(calib, options, compute=bool(calib.get("compute", True)))
     cl = load_cluster(cluster)
     graph = model_graph(model, batch, _parse_options(model_options))
     res = search_plan(graph, cl, SearchOptions(restarts=restarts, pipeline=pipeline,
-                                               subsets=subsets, uneven=uneven),
-                      CostOptions(optimizer_states=optimizer_states))
+                                               subsets=subsets, uneven=uneven), options)
     if out:
         res.plan.save(out, plan_meta(graph, cl, model, _parse_options(model_options),
                                      optimizer_states))

@@ -156,6 +156,11 @@ class Setup:
     memory_bytes: float
     memory_limit_bytes: float
     world_size: int
+    calibration: dict[str, Any] | None = None
+    """plan = "auto" with parallel.calibrate: the start-up microbenchmarks' figures
+    (hetrain.parallel.calibrate) the plan was searched with; None: the cluster file's alone."""
+    uncalibrated: str = ""
+    """The layout the search picked before calibration (where calibration ran)."""
 
 
 def _plan_file(path: str, graph: LayerGraph, cluster: Cluster, model: str) -> Plan:
@@ -197,9 +202,12 @@ def _plan_command(graph: LayerGraph, model: str) -> str:
     return cmd + " --cluster CLUSTER --out FILE`"
 
 
-def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
+def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload, *,
+               options: CostOptions | None = None, plan: Plan | None = None) -> Setup:
     """Search or read the plan and check everything a process would otherwise fail on, in
-    one ConfigError line each (no process started yet)."""
+    one ConfigError line each (no process started yet). `options`: the cost model's (default:
+    uncalibrated, the optimizer's state bytes); `plan`: this plan instead of searching or
+    reading one (a resumed run's)."""
     par = cfg.parallel
     assert par is not None
     check_supported(cfg)
@@ -213,14 +221,13 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
     with torch.random.fork_rng(devices=[]):
         model = workload.build_model()
     graph = run_graph(workload, model, batch)
-    copts = CostOptions(optimizer_states=optimizer_states(cfg.optimizer))
-    if par.plan == "auto":
-        res = search_plan(graph, cluster, SearchOptions(restarts=par.restarts,
-                                                        pipeline=par.pipeline,
-                                                        subsets=par.subsets,
-                                                        uneven=par.uneven), copts)
-        plan = res.plan
-    else:
+    copts = options or CostOptions(optimizer_states=optimizer_states(cfg.optimizer))
+    if plan is None and par.plan == "auto":
+        plan = search_plan(graph, cluster, SearchOptions(restarts=par.restarts,
+                                                         pipeline=par.pipeline,
+                                                         subsets=par.subsets,
+                                                         uneven=par.uneven), copts).plan
+    elif plan is None:
         plan = _plan_file(par.plan, graph, cluster, cfg.workload.model)
     if len(plan.stages) > 1 and par.n_micro:
         plan = dataclasses.replace(plan, n_micro=par.n_micro)
@@ -236,6 +243,49 @@ def make_setup(cfg: RunConfig, cluster: Cluster, workload: Workload) -> Setup:
     _check_executable(model, graph, plan, par.schedule)
     return Setup(plan.to_dict(), par.plan, report.time_s, report.memory_bytes,
                  report.memory_limit_bytes, cluster.n)
+
+
+def first_setup(cfg: RunConfig, cluster: Cluster, workload: Workload,
+                run_dir: Path | None) -> Setup:
+    """Rank 0's setup before any process starts. A resumed run keeps its checkpoint's plan
+    where the plan is "auto" (a search at another time, calibrated or not, may pick another
+    one); a plan file must match the checkpoint's."""
+    par = cfg.parallel
+    assert par is not None
+    setup = make_setup(cfg, cluster, workload)
+    if cfg.train.resume:
+        auto = par.plan == "auto"
+        saved = load_checkpoint(run_dir, cfg, None if auto else setup.plan)["meta"]["plan"]
+        if auto and saved != setup.plan:
+            setup = make_setup(cfg, cluster, workload, plan=Plan.from_dict(saved))
+    return setup
+
+
+def calibrated_setup(cfg: RunConfig, setup: Setup, cluster: Cluster,
+                     workload: Workload) -> Setup:
+    """plan = "auto" with parallel.calibrate (every rank calls, before training): time the
+    collectives and op kinds on these processes (calibrate.calibrate, quick) and let rank 0
+    search again with those corrections; every rank gets rank 0's setup. Under dist.emulate
+    = "cluster" compute is padded to the cluster file's figures, so only the collectives'
+    corrections apply; with "none" the op kinds' too. A calibrated pick that fails a check
+    the uncalibrated one passed keeps the uncalibrated plan (`uncalibrated` says so)."""
+    from hetrain.parallel.calibrate import calibrate, cost_options
+
+    calib = calibrate(quick=True)
+    new = None
+    if dist.get_rank() == 0:
+        options = cost_options(calib, CostOptions(optimizer_states=optimizer_states(cfg.optimizer)),
+                               compute=cfg.dist.emulate == "none")  # "cluster": padded
+        figures = {k: v for k, v in calib.items() if k != "collective_rows"}
+        figures["compute"] = cfg.dist.emulate == "none"  # were the op kinds' corrections used
+        was = _layout(Plan.from_dict(setup.plan))
+        try:
+            found = make_setup(cfg, cluster, workload, options=options)
+            new = dataclasses.replace(found, calibration=figures, uncalibrated=was)
+        except ConfigError as e:
+            new = dataclasses.replace(setup, calibration=figures,
+                                      uncalibrated=f"{was} (kept: the calibrated pick {e})")
+    return Setup(**broadcast_from_rank0(dataclasses.asdict(new) if new is not None else None))
 
 
 def _layout(plan: Plan) -> str:
@@ -453,9 +503,11 @@ def _strategy_of(data: Any) -> str:
         return ""
 
 
-def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any] | None
+                    ) -> dict[str, Any]:
     """A [parallel] checkpoint, checked against the config: one line for a missing,
-    unreadable or foreign file (another workload, cluster, optimizer or plan)."""
+    unreadable or foreign file (another workload, cluster, optimizer or plan; plan None:
+    any plan, the caller takes the checkpoint's)."""
     if run_dir is None:
         raise ConfigError("train.resume = true needs a run directory (runs_root is None)")
     path = checkpoint_file(run_dir)
@@ -489,7 +541,7 @@ def load_checkpoint(run_dir: Path | None, cfg: RunConfig, plan: dict[str, Any]) 
         raise ConfigError(f"checkpoint '{path}' was written with optimizer.name = "
                           f"{meta['config']['optimizer']['name']!r}, the config says "
                           f"{cfg.optimizer.name!r}; resume with the same optimizer")
-    if meta["plan"] != plan:
+    if plan is not None and meta["plan"] != plan:
         raise ConfigError(f"checkpoint '{path}' was written under another plan; resume with "
                           "the same parallel.plan (a plan file of that run) or start afresh")
     return {"model": model, "states": states, "groups": groups, "meta": meta}
@@ -619,6 +671,8 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     par = cfg.parallel
     assert par is not None
     rank = dist.get_rank()
+    if par.plan == "auto" and par.calibrate and not cfg.train.resume:
+        setup = calibrated_setup(cfg, setup, cluster, workload)
     plan = Plan.from_dict(setup.plan)
     batch = cfg.train.batch_size
     torch.manual_seed(cfg.train.seed)
@@ -848,6 +902,8 @@ def _summary(log: MetricsLog, cfg: RunConfig, setup: Setup, cluster: Cluster,
                           "measured_step_s": max(busy) / step if step and busy else None,
                           "memory_bytes": setup.memory_bytes,
                           "memory_limit_bytes": setup.memory_limit_bytes,
+                          "calibration": setup.calibration,
+                          "uncalibrated_layout": setup.uncalibrated or None,
                           "bytes_measured": False}}
     ideal = sum(d.samples_per_s(fps) for d in cluster.devices)
     return log.summarise(time_s=elapsed, ideal_samples_per_s=ideal, extra=extra)
@@ -915,7 +971,7 @@ def _run_env_rank(rv: Any, cfg: RunConfig, cluster: Cluster, workload: Workload 
     _check_world(rv.world_size, cluster)
     torch.set_num_threads(cfg.train.threads)
     workload = workload or workload_from_config(cfg.workload)
-    setup = make_setup(cfg, cluster, workload) if rv.rank == 0 else None
+    setup = first_setup(cfg, cluster, workload, run_dir) if rv.rank == 0 else None
     if rv.rank != 0:
         from hetrain.engine.signals import worker_signals
 
@@ -944,9 +1000,7 @@ def _spawn(cfg: RunConfig, cluster: Cluster, workload: Workload, run_dir: Path |
     from hetrain.engine.dist_server import WorkerLostError
     from hetrain.engine.spawn import Spawner
 
-    setup = make_setup(cfg, cluster, workload)  # every refusal before any process starts
-    if cfg.train.resume:
-        load_checkpoint(run_dir, cfg, setup.plan)
+    setup = first_setup(cfg, cluster, workload, run_dir)  # every refusal before any process starts
     d = cfg.dist
     listener = engine.bind_listener(d.master_addr, d.port)
     port = listener.getsockname()[1]
