@@ -4,8 +4,9 @@
 
 Per repeat, one spawn of 4 CPU gloo processes (one thread each), rank r standing for cluster
 device r:
-1. calibrate with microbenchmarks only (autoddl_predicted_vs_measured._calibrate: matmul
-   FLOP/s, collective costs, per-op-kind overheads), so the search sees this machine;
+1. calibrate with microbenchmarks only (hetrain.parallel.calibrate, full: matmul FLOP/s,
+   collective costs, per-op-kind overheads), so the search sees this machine; then the quick
+   calibration `hetrain run` takes at start-up (parallel.calibrate), for its own pick;
 2. two clusters of those 4 devices on one loopback "LAN":
    * `capped`: devices 0-1 hold MEM_BIG and devices 2-3 MEM_SMALL of the bytes the cost model
      counts for the whole model on one device (parameters, gradients, AdamW state and
@@ -23,7 +24,9 @@ device r:
    round-robin over the plans so that load from other work hits all alike; median per plan.
 Reported per cluster (plans that do not fit the caps are measured too but ranked apart):
 the searched plan's measured time over the fastest fitting plan's (per repeat and median;
-target <= 1.10), the torchtitan-style plan's over the searched plan's (target >= 1.0), and
+target <= 1.10), the same for the plan `hetrain run` picks with its start-up calibration
+(target <= 1.10) and without it, the torchtitan-style plan's over the searched plan's
+(target >= 1.0), and
 Spearman's rank correlation of predicted and measured over the fitting plans.
 Writes benchmarks/results/autoddl_best_plan.{json,md}.
 """
@@ -48,6 +51,8 @@ from autoddl_predicted_vs_measured import GPT, M4, M22, _calibrate, models, opti
 from common import results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
+from hetrain.parallel.calibrate import calibrate
+from hetrain.parallel.calibrate import cost_options as calibrated_options
 from hetrain.plan.cost import CostOptions, Plan, plan_cost
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
@@ -74,6 +79,11 @@ def cost_options(calib: dict[str, Any]) -> CostOptions:
     return dataclasses.replace(options_from(calib), optimizer_states=2.0)  # AdamW
 
 
+def run_cost_options(quick: dict[str, Any]) -> CostOptions:
+    """hetrain run's: parallel.train.calibrated_setup's options under dist.emulate = "none"."""
+    return calibrated_options(quick, CostOptions(optimizer_states=2.0), compute=True)
+
+
 def whole_model_bytes(calib: dict[str, Any]) -> float:
     """What the cost model counts for the model replicated on one device (the "rep" plan)."""
     graph = models()["gpt"][0]
@@ -93,19 +103,22 @@ def _description(found: Any) -> str:
                 if p == found.plan)
 
 
-def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str, str]:
+def enumerate_plans(cluster: Cluster, options: CostOptions, run_options: CostOptions
+                    ) -> tuple[dict[str, Plan], str, dict[str, str]]:
     """label -> plan of every distinct plan to measure, the searched plan's label, and the
-    label of the plan `hetrain run` with `[parallel] plan = "auto"` picks on a cluster file
-    of these devices (the same search, its cost model without the microbenchmarks'
-    per-call and per-op corrections)."""
+    labels of the plans `hetrain run` with `[parallel] plan = "auto"` picks on a cluster file
+    of these devices: "calibrated" (parallel.calibrate on, the default: `run_options`, the
+    start-up quick calibration's corrections, op kinds included as under dist.emulate =
+    "none") and "uncalibrated" (parallel.calibrate = false: the cluster file's figures)."""
     graph = models()["gpt"][0]
     found = search_plan(graph, cluster, SearchOptions(), options)
-    as_run = search_plan(graph, cluster, SearchOptions(),
-                         CostOptions(optimizer_states=options.optimizer_states))
+    as_run = {"calibrated": search_plan(graph, cluster, SearchOptions(), run_options),
+              "uncalibrated": search_plan(graph, cluster, SearchOptions(),
+                                          CostOptions(optimizer_states=options.optimizer_states))}
     out: dict[str, Plan] = {}
     for (desc, _, _), plan in [*zip(found.candidates, found.candidate_plans, strict=True),
-                               ((f"as hetrain run: {_description(as_run)}", 0, 0),
-                                as_run.plan)]:
+                               *(((f"as hetrain run ({k}): {_description(r)}", 0, 0), r.plan)
+                                 for k, r in as_run.items())]:
         if plan not in out.values():
             out[desc] = plan
     for name, mesh in TEMPLATES:
@@ -116,7 +129,7 @@ def enumerate_plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, P
     if lone not in out.values():
         out["lone device 0 (the others idle)"] = lone
     searched = next(k for k, p in out.items() if p == found.plan)
-    run = next(k for k, p in out.items() if p == as_run.plan)
+    run = {k: next(label for label, p in out.items() if p == r.plan) for k, r in as_run.items()}
     return out, searched, run
 
 
@@ -124,12 +137,14 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     from hetrain.parallel.execute import make_executor
 
     calib = _calibrate(rank, world)
+    quick = calibrate(quick=True)  # what hetrain run does at start-up
+    run_options = run_cost_options(quick)
     graph, build, make = models()["gpt"]
     batch = make(torch.Generator().manual_seed(1))
     options = cost_options(calib)
     runs, plans, searched, as_run = [], {}, {}, {}
     for cname, cluster in clusters(calib).items():
-        found, searched[cname], as_run[cname] = enumerate_plans(cluster, options)
+        found, searched[cname], as_run[cname] = enumerate_plans(cluster, options, run_options)
         plans[cname] = {k: p.to_dict() for k, p in found.items()}
         for label, plan in found.items():
             torch.manual_seed(0)
@@ -149,8 +164,8 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     measured: dict[str, dict[str, float]] = {}
     for cname, label, *_, times in runs:
         measured.setdefault(cname, {})[label] = statistics.median(times)
-    return {"calibration": calib, "plans": plans, "searched": searched, "as_run": as_run,
-            "measured": measured}
+    return {"calibration": calib, "quick_calibration": quick, "plans": plans,
+            "searched": searched, "as_run": as_run, "measured": measured}
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +191,8 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             rows=rows, searched=s, best=best["plan"],
             searched_over_best=meas[s] / best["measured_s"],
             as_run=res["as_run"][cname],
-            as_run_over_best=meas[res["as_run"][cname]] / best["measured_s"],
+            as_run_over_best={k: meas[v] / best["measured_s"]
+                              for k, v in res["as_run"][cname].items()},
             torchtitan=tt, torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == tt),
             torchtitan_over_searched=meas[tt] / meas[s],
             lone_over_searched=meas["lone device 0 (the others idle)"] / meas[s]
@@ -196,7 +212,8 @@ def main() -> None:
     args = ap.parse_args()
     repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, _: "; ".join(
         f"{c}: searched {s['searched']!r} {s['searched_over_best']:.3f}x the best "
-        f"(hetrain run's {s['as_run_over_best']:.3f}x) "
+        f"(hetrain run's {s['as_run_over_best']['calibrated']:.3f}x, uncalibrated "
+        f"{s['as_run_over_best']['uncalibrated']:.3f}x) "
         f"({s['best']!r}), torchtitan-style {s['torchtitan_over_searched']:.3f}x the "
         f"searched, spearman {s['spearman']:.2f}" for c, s in summ.items()))
     write(repeats, args)
@@ -230,19 +247,25 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"{MEM_SMALL:.0%} of the memory the whole model needs on one device (no device "
           "holds it alone); `roomy` = 8 GB each.", "",
           "`hetrain run`'s plan: what `[parallel] plan = \"auto\"` picks on a cluster file of "
-          "these devices (same search; its cost model lacks the microbenchmarks' per-call "
-          "and per-op corrections).", "",
+          "these devices (the devices' FLOP/s and the link from the full calibration, as "
+          "`hetrain profile` would write them): calibrated = with its start-up calibration "
+          "(`parallel.calibrate`, the default: hetrain.parallel.calibrate's quick "
+          "microbenchmarks, taken again on these processes; op kinds' corrections included, "
+          "as under `dist.emulate = \"none\"`), uncalibrated = `parallel.calibrate = false` "
+          "(the cluster file's figures alone).", "",
           "| cluster | plans measured (fit) | searched / fastest fitting (target <= 1.10) | "
-          "hetrain run's plan / fastest fitting | "
+          "hetrain run's plan / fastest fitting (target <= 1.10) | "
+          "hetrain run uncalibrated / fastest fitting | "
           "torchtitan-style dp-tp / searched (target >= 1.0) | one device alone / searched | "
           "Spearman (fitting plans) |",
-          "|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|"]
     for c in repeats[0]["summary"]:
         ss = [r["summary"][c] for r in repeats]
         tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
         md.append(f"| {c} | {ss[0]['n_plans']} ({ss[0]['n_fit']}) | "
                   f"{_med([s['searched_over_best'] for s in ss])} | "
-                  f"{_med([s['as_run_over_best'] for s in ss])} | "
+                  f"{_med([s['as_run_over_best']['calibrated'] for s in ss])} | "
+                  f"{_med([s['as_run_over_best']['uncalibrated'] for s in ss])} | "
                   f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
                   f"{_lone(ss)} | "
                   f"{_med([s['spearman'] for s in ss])} |")
@@ -251,7 +274,9 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
                "searched per repeat: " + ", ".join(f"`{r['summary'][c]['searched']}`"
                                                    for r in repeats),
                "", "hetrain run's plan per repeat: " + ", ".join(
-                   f"`{r['summary'][c]['as_run']}`" for r in repeats),
+                   f"`{r['summary'][c]['as_run']['calibrated']}`" for r in repeats),
+               "", "hetrain run's plan uncalibrated per repeat: " + ", ".join(
+                   f"`{r['summary'][c]['as_run']['uncalibrated']}`" for r in repeats),
                "", "| plan | fits | memory MB | predicted s | measured s | spread |",
                "|---|---|---|---|---|---|"]
         rows = repeats[0]["summary"][c]["rows"]
