@@ -138,6 +138,7 @@ def _calibrate_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 8-20 s; the default run calibrates through hetrain run's tests
 @pytest.mark.timeout(180)
 def test_quick_calibration_on_four_gloo_processes() -> None:
     """Every rank ends with rank 0's figures; they are plausible: a positive per-byte cost, a

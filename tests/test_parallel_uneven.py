@@ -321,7 +321,8 @@ def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> Non
 
 def test_compute_budget_follows_the_cluster_file_and_dist_emulate() -> None:
     """dist.emulate = "cluster" pads a one-stage plan's ranks to their device's time (x
-    time_scale); "none" does not; pipelines are not emulated; "relative" is refused."""
+    time_scale); "none" does not; pipelines too (each stage pads to its share, test_pipeline);
+    "relative" is refused."""
     from hetrain.cluster import Cluster, Device, Link, Site
     from hetrain.config import config_from_dict
     from hetrain.parallel.train import check_supported, compute_budget, emulation
@@ -345,8 +346,9 @@ def test_compute_budget_follows_the_cluster_file_and_dist_emulate() -> None:
     fast = compute_budget(cfg(), cluster, g, one_stage, 1)
     assert fast is not None and fast(3) == pytest.approx(0.5 * 3 * fps / 4e9)
     assert compute_budget(cfg(emulate="none"), cluster, g, one_stage, 0) is None
-    assert compute_budget(cfg(), cluster, g, piped, 0) is None
-    assert emulation(cfg(), piped) == "not for pipeline plans"
+    piped_budget = compute_budget(cfg(), cluster, g, piped, 0)  # the stage takes its share
+    assert piped_budget is not None and piped_budget(3) == pytest.approx(budget(3))
+    assert emulation(cfg(), piped) == "cluster" and emulation(cfg(emulate="none"), piped) == "none"
     with pytest.raises(ConfigError, match="relative"):
         check_supported(cfg(emulate="relative"))
 

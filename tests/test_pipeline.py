@@ -75,10 +75,49 @@ def _holders(plan: Plan) -> int:
     return sum(p.numel() for p in ex.parameters())
 
 
-def _hold_then_train(rank: int, world: int, run) -> tuple[list[int], list]:  # type: ignore[no-untyped-def]
+def _hold_then_train(rank: int, world: int, run) -> tuple[list[int], list, list]:  # type: ignore[no-untyped-def]
     from hetrain.parallel.runs import plans_worker
 
-    return [_holders(p) for p in run.plans], plans_worker(rank, world, run)
+    return [_holders(p) for p in run.plans], plans_worker(rank, world, run), _padded(rank)
+
+
+SLOW_S = 0.2
+"""Emulated seconds per sample of the whole model's forward + backward on the slow devices."""
+PADDED = ((_one_device_stages([0, 8, N], 4), "gpipe", (1,)),
+          (_two_by_two(8, ("dp", "tp"), 2), "1f1b", (2, 3)))
+"""Pipelines whose last stage runs on slow emulated devices (the others unthrottled)."""
+
+
+def _padded(rank: int) -> list[tuple[float, float, float, float, float]]:
+    """Per PADDED plan: (loss padded, loss unpadded, rank 0's second step time padded and
+    unpadded, the last stage's emulated time for its micro-batches in one step)."""
+    import time
+
+    import torch.distributed as dist
+
+    from hetrain.parallel.execute import make_executor
+
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    out = []
+    for plan, schedule, slow in PADDED:
+        losses, took, emulated = [], [], torch.zeros(1)
+        for budget in (None, (lambda n: SLOW_S * n) if rank in slow else None):
+            torch.manual_seed(0)
+            ex = make_executor(build_gpt(), GRAPH, plan, cross_entropy, schedule=schedule,
+                               compute_budget=budget)
+            opt = torch.optim.SGD(ex.parameters(), lr=0.1) if ex.parameters() else None
+            losses.append(ex.step(x, y, opt))  # the first step also pays set-up costs
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex.step(x, y, opt)
+            took.append(time.perf_counter() - t0)
+            pad = ex.module.pad if ex.module is not None else None
+            if pad is not None:
+                emulated[0] = plan.n_micro * (B // plan.n_micro) * pad.per_sample_s
+        dist.all_reduce(emulated, op=dist.ReduceOp.MAX)
+        out.append((losses[1], losses[0], took[1], took[0], float(emulated)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,6 +128,8 @@ class Trained:
     """Rank 0's losses per plan of each group."""
     held: dict[str, list[list[int]]]
     """Parameters each rank holds, per plan of each group: held[group][plan][rank]."""
+    padded: list[tuple[float, float, float, float, float]]
+    """Rank 0's _padded results."""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +150,7 @@ def trained() -> Trained:
         losses[name] = [per_rank[0][1][k + i].losses for i in range(len(group))]
         held[name] = [[per_rank[r][0][k + i] for r in range(4)] for i in range(len(group))]
         k += len(group)
-    return Trained(reference_run(run).losses, losses, held)
+    return Trained(reference_run(run).losses, losses, held, per_rank[0][2])
 
 
 def _trains_like_one_process(trained: Trained, group: str) -> None:
@@ -150,6 +191,19 @@ def test_stages_run_on_the_devices_the_plan_names(trained: Trained) -> None:
 
 
 # ---- refusals ----------------------------------------------------------------------------------
+@pytest.mark.dist
+def test_a_slow_stage_emulated_by_its_compute_budget_paces_the_pipeline(trained: Trained) -> None:
+    """dist.emulate's padding on a pipeline: the last stage's devices pad each micro-batch's
+    forward and backward to their share of the model's emulated time, so a step lasts at
+    least that stage's emulated time for all its micro-batches (GPipe over one device, 1F1B
+    over a 2-device DTensor stage); the losses do not change. Without the backward's part
+    (the hook on the stage output) a step would last about a third of it."""
+    for loss, plain, took, unpadded, emulated in trained.padded:
+        assert loss == plain
+        assert emulated > 0.4
+        assert took >= 0.9 * emulated and took - unpadded >= 0.6 * emulated, (took, emulated)
+
+
 def _refusal(plan, model=None) -> str:  # type: ignore[no-untyped-def]
     from hetrain.parallel.pipeline import pipeline_layout
 

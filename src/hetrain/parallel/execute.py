@@ -296,13 +296,11 @@ def make_executor(model: nn.Module, graph: LayerGraph, plan: Plan,
     with batch shares, a PlanExecutor on a device mesh of the plan's shape when the plan
     spans every rank, else a SubsetExecutor. The plan's device ids are ranks. Call on every
     rank. `timeout_s`: a pipeline's P2P receive timeout. `compute_budget`: this rank's
-    emulated device speed (one-stage plans)."""
+    emulated device speed."""
     if len(plan.stages) > 1:
         from hetrain.parallel.pipeline import PipelineExecutor
 
-        if compute_budget is not None:
-            raise ConfigError("speed emulation (compute_budget) is not built for pipeline plans")
-        return PipelineExecutor(model, graph, plan, loss_fn, schedule, timeout_s)
+        return PipelineExecutor(model, graph, plan, loss_fn, schedule, timeout_s, compute_budget)
     if plan.stages[0].shares:
         from hetrain.parallel.uneven import UnevenExecutor
 

@@ -21,6 +21,11 @@ prices one) and no DTensor crosses a boundary; the last stage keeps its output a
 the loss op's signature (vocab-parallel cross-entropy). The schedule averages gradients over
 micro-batches (scale_grads), matching the mean loss of one whole batch when every micro-batch
 has the same size.
+
+Speed emulation (`compute_budget`, as the one-stage executors take it: this rank's device's
+forward + backward time for n samples of the whole model): a rank pads its stage's work per
+micro-batch to its device's share, the stage's fraction of the model's training FLOPs over its
+devices (StagePadding), so a pipeline on one machine paces like the cluster file's devices.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,9 +47,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor, Replicate
 
+from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
-from hetrain.parallel.execute import PlanExecutor
-from hetrain.plan.cost import Plan, stage_graphs
+from hetrain.parallel.execute import ComputeBudget, PlanExecutor
+from hetrain.plan.cost import Plan, stage_graphs, training_flops_per_sample
 from hetrain.plan.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -223,23 +230,64 @@ def _keep_only(module: nn.Module, keep: set[str], prefix: str = "") -> None:
             setattr(module, name, None)
 
 
+class StagePadding:
+    """Pads this rank's part of a stage, per micro-batch, to its emulated device's time:
+    `fraction` x the budget's per-sample time x the micro-batch's samples (the device's step
+    overhead, budget(0), once per step, on the step's first forward). A third pads the
+    forward; the other two thirds are slept when the stage's backward starts (a hook on its
+    output), less twice the real forward (a backward costs about two forwards, as the cost
+    model counts it), so the schedule's stages wait for each other as the devices would.
+    Counts overruns: micro-batches whose real forward took longer than its third."""
+
+    def __init__(self, budget: ComputeBudget, fraction: float):
+        self.overhead_s = budget(0)
+        self.per_sample_s = (budget(1) - self.overhead_s) * fraction
+        self.first, self.overruns = True, 0
+
+    def start_step(self) -> None:
+        self.first = True
+
+    def __call__(self, start: float, samples: int, out: Tensor) -> None:
+        total = samples * self.per_sample_s + (self.overhead_s if self.first else 0.0)
+        self.first = False
+        forward = time.perf_counter() - start
+        if sleep_until(start + total / 3) == 0.0:
+            self.overruns += 1
+        backward = 2 * total / 3 - 2 * forward
+        if backward > 0 and out.requires_grad:
+            out.register_hook(functools.partial(_sleep_then, backward))
+
+
+def _sleep_then(seconds: float, grad: Tensor) -> Tensor:
+    time.sleep(seconds)
+    return grad
+
+
 class StageModule(nn.Module):
     """One stage: the model with only its modules left, run piece by piece. With a `mesh`
     (a DTensor stage) its input becomes a replicated DTensor and, unless `keep_dtensor` (the
-    last stage, whose loss is computed by the stage's plan), its output a plain full tensor."""
+    last stage, whose loss is computed by the stage's plan), its output a plain full tensor.
+    With `pad`, each forward (and its backward) is padded to the emulated device's time."""
 
     def __init__(self, model: nn.Module, pieces: tuple[Piece, ...],
-                 mesh: DeviceMesh | None = None, keep_dtensor: bool = False):
+                 mesh: DeviceMesh | None = None, keep_dtensor: bool = False,
+                 pad: StagePadding | None = None):
         super().__init__()
         _keep_only(model, {m for p in pieces for m in p.modules})
         self.model, self.pieces, self.mesh, self.keep_dtensor = model, pieces, mesh, keep_dtensor
+        self.pad = pad
 
     def forward(self, x: Tensor) -> Tensor:
+        start = time.perf_counter()
+        samples = x.shape[0]
         if self.mesh is not None:
             x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
         for p in self.pieces:
             x = p.run(self.model, x)
-        return x.full_tensor() if isinstance(x, DTensor) and not self.keep_dtensor else x
+        out = x.full_tensor() if isinstance(x, DTensor) and not self.keep_dtensor else x
+        if self.pad is not None:
+            self.pad(start, samples, out)
+        return out
 
 
 def stage_ranks(plan: Plan, world: int) -> list[list[int]]:
@@ -272,9 +320,11 @@ class PipelineExecutor:
 
     def __init__(self, model: nn.Module, graph: LayerGraph, plan: Plan,
                  loss_fn: Callable[[Tensor, Tensor], Tensor], schedule: str = "gpipe",
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, compute_budget: ComputeBudget | None = None):
         """`timeout_s`: how long a P2P receive waits for its peer (gloo's P2P waits use the
-        timeout their group was created with, gloo's 30 min by default)."""
+        timeout their group was created with, gloo's 30 min by default). `compute_budget`:
+        this rank's emulated device (the whole model's forward + backward of n samples; the
+        stage pads to its share, StagePadding)."""
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown pipeline schedule '{schedule}'; one of {sorted(SCHEDULES)}")
         layout = pipeline_layout(model, graph, plan)
@@ -297,9 +347,13 @@ class PipelineExecutor:
         s, j = where[rank]
         self.first, self.last = s == 0, s == k - 1
         mesh = meshes[s]
-        self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last)
+        a, b = stage_graphs(graph, plan)[s]
+        pad = None
+        if compute_budget is not None:  # this rank's share: the stage's FLOPs over its devices
+            share = training_flops_per_sample(graph.subgraph(a, b)) / training_flops_per_sample(graph)
+            pad = StagePadding(compute_budget, share / d)
+        self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last, pad=pad)
         if mesh is not None:
-            a, b = stage_graphs(graph, plan)[s]
             self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
                                      Plan(plan.graph, (plan.stages[s],)), mesh, loss_fn)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
@@ -320,6 +374,8 @@ class PipelineExecutor:
         if self.module is not None:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
+            if self.module.pad is not None:
+                self.module.pad.start_step()
             losses: list[Tensor] = []
             with self.spmd.loss_context() if self.spmd is not None else contextlib.nullcontext():
                 if self.first:

@@ -7,9 +7,9 @@ a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor), a
 uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). Rank r is
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
-over gloo; under dist.emulate = "cluster" (the default) a one-stage plan's ranks pad their
-compute to their cluster device's time (compute_budget), so one machine paces like the
-cluster file.
+over gloo; under dist.emulate = "cluster" (the default) the ranks pad their compute to their
+cluster device's time (compute_budget; a pipeline stage per micro-batch, to its share of the
+model's FLOPs), so one machine paces like the cluster file.
 
 Every rank draws the same global batch (train.batch_size samples of an epoch permutation
 seeded by train.seed and the epoch), so data needs no shipping, and a resumed run sees the
@@ -338,11 +338,9 @@ def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule:
 
 # ---- one rank ----------------------------------------------------------------------------------
 def emulation(cfg: RunConfig, plan: Plan) -> str:
-    """How the cluster's speeds are emulated: "cluster" (one-stage plans under dist.emulate =
-    "cluster"), "none" (dist.emulate = "none"), or "not for pipeline plans"."""
-    if cfg.dist.emulate == "none":
-        return "none"
-    return "cluster" if len(plan.stages) == 1 else "not for pipeline plans"
+    """How the cluster's speeds are emulated: "cluster" (dist.emulate = "cluster", every
+    plan: one-stage plans pad each step, pipeline stages each micro-batch) or "none"."""
+    return "none" if cfg.dist.emulate == "none" else "cluster"
 
 
 def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Plan,
@@ -350,7 +348,8 @@ def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Pl
     """dist.emulate = "cluster": this rank's forward + backward of n local samples is padded
     to the time its cluster device takes (step_overhead_s + n x the cost model's FLOPs per
     sample / flops, x dist.time_scale), as the strategies' real engine pads its tasks, so a
-    run on one machine paces like the cluster file; the planner priced the same figures."""
+    run on one machine paces like the cluster file; the planner priced the same figures.
+    A pipeline stage pads each micro-batch to its share (pipeline.StagePadding)."""
     if emulation(cfg, plan) != "cluster":
         return None
     device, scale = cluster.devices[rank], cfg.dist.time_scale
