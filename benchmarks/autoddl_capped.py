@@ -1,0 +1,202 @@
+"""The searched plan on emulated devices of speeds 1:1:2:4 whose memory no device meets alone.
+
+    .venv/bin/python benchmarks/autoddl_capped.py [--repeats 3] [--steps 8]
+
+Issue 19's case: a GPT whose memory needs exceed the smallest emulated device, trained with
+`[parallel] plan = "auto"`. Per repeat, one spawn of 4 CPU gloo processes (one thread each),
+rank r standing for device r of speeds 1:1:2:4, emulated exactly as in autoddl_uneven.py (the
+same calibration: rank 0's solo fit gives the budget, K = 3 x slowdown x the solo time; the
+collectives' per-call cost and factors from the package's microbenchmarks, which is what
+`hetrain run` adds to a cluster file under dist.emulate = "cluster"). Memory caps, as fractions
+of what the cost model counts for the whole model on one device (parameters, gradients, AdamW
+state, activations at the global batch): CAPS, so no device holds the model alone and the
+fastest holds 90% of it.
+
+The search (`search_plan`, what `plan = "auto"` runs, pipelines included: a pipeline stage now
+pads every micro-batch to its devices' share, pipeline.StagePadding) picks a plan; every plan
+it enumerated, the lone fastest device, even data parallelism over 4 and the torchtitan-style
+plan (tensor parallel inside a node of 2, data parallel across: "dp-tp" on the 2 x 2 mesh) run
+2 warm-up and --steps timed AdamW steps, steps interleaved round-robin, every plan the same
+global batch and lr (a step-time comparison). Plans that do not fit the caps are measured too
+and ranked apart. Reported: the searched plan's time over the fastest fitting plan's (target
+<= 1.10), the torchtitan-style plan's over the searched one's, and Spearman over the fitting
+plans. Writes benchmarks/results/autoddl_capped.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).parent))
+import autoddl_uneven as uneven
+from autoddl_predicted_vs_measured import M4, M22
+from common import results_dir, spawned_repeats
+
+from hetrain.cluster import Cluster
+from hetrain.parallel.execute import make_executor
+from hetrain.plan.cost import CostOptions, Plan, plan_cost
+from hetrain.plan.sbp import Mesh
+from hetrain.plan.search import SearchOptions, search_plan, template_plan
+from hetrain.workloads.base import cross_entropy
+
+OUT = results_dir()
+CAPS = (0.45, 0.45, 0.6, 0.9)
+"""Per device: its memory as a fraction of the whole model's need on one device."""
+LONE, EVEN, TORCHTITAN = uneven.LONE, uneven.EVEN, "torchtitan-style dp-tp on 2 x 2"
+
+
+def capped(calib: dict[str, Any]) -> Cluster:
+    roomy = uneven.cluster_of(calib)
+    need = plan_cost(uneven.graph(), template_plan(uneven.graph(), M4, "rep"), roomy,
+                     uneven.options_of(calib)).memory_bytes
+    return Cluster("speeds-1-1-2-4-capped", tuple(
+        dataclasses.replace(d, memory_bytes=c * need) for d, c in zip(roomy.devices, CAPS, strict=True)),
+        roomy.sites)
+
+
+def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str]:
+    """label -> plan (distinct) and the searched plan's label."""
+    g = uneven.graph()
+    found = search_plan(g, cluster, SearchOptions(), options)
+    out: dict[str, Plan] = {}
+    for desc, plan in [*zip((d for d, _, _ in found.candidates), found.candidate_plans,
+                            strict=True),
+                       (LONE, template_plan(g, Mesh((1,), (3,)), "dp")),
+                       (EVEN, template_plan(g, M4, "dp")),
+                       (TORCHTITAN, template_plan(g, M22, "dp-tp"))]:
+        if plan not in out.values():
+            out[desc] = plan
+    return out, next(k for k, p in out.items() if p == found.plan)
+
+
+def _overruns(ex: Any) -> int:
+    pad = (getattr(ex, "pad", None) or getattr(getattr(ex, "inner", None), "pad", None)
+           or getattr(getattr(ex, "module", None), "pad", None))
+    return pad.overruns if pad is not None else 0
+
+
+def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    calib = uneven.calibrate(rank, world)
+    cluster, options = capped(calib), uneven.options_of(calib)
+    found, searched = plans(cluster, options)
+    me, fps = cluster.devices[rank], uneven.flops_per_sample()
+
+    def budget(samples: int) -> float:
+        return me.compute_time_s(samples, fps)
+
+    x, y = uneven.batch(torch.Generator().manual_seed(1), uneven.GPT["B"])
+    runs = []
+    for label, plan in found.items():
+        torch.manual_seed(0)
+        ex = make_executor(uneven.build(), uneven.graph(), plan, cross_entropy, cluster=cluster,
+                           compute_budget=budget)
+        params = ex.parameters()
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False) if params else None
+        runs.append((label, ex, opt, []))
+    for k in range(steps + 2):
+        for _, ex, opt, times in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            ex.step(x, y, opt)
+            dist.barrier()
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
+    total = torch.tensor([float(_overruns(ex)) for _, ex, _, _ in runs])
+    dist.all_reduce(total)  # every rank's, summed, per plan
+    return {"calibration": calib, "plans": {k: p.to_dict() for k, p in found.items()},
+            "searched": searched,
+            "measured": {label: statistics.median(t) for label, _, _, t in runs},
+            "overruns": {label: int(n) for (label, *_), n in zip(runs, total.tolist(), strict=True)}}
+
+
+def summarise(res: dict[str, Any]) -> dict[str, Any]:
+    g, calib = uneven.graph(), res["calibration"]
+    cluster, options = capped(calib), uneven.options_of(calib)
+    rows = []
+    for label, d in res["plans"].items():
+        rep = plan_cost(g, Plan.from_dict(d), cluster, options)
+        rows.append(dict(plan=label, predicted_s=rep.time_s, fits=rep.feasible,
+                         measured_s=res["measured"][label], memory_mb=rep.memory_bytes / 1e6))
+    fit = [r for r in rows if r["fits"]]
+    best = min(fit, key=lambda r: r["measured_s"])
+    meas, s = res["measured"], res["searched"]
+    return dict(rows=rows, searched=s, best=best["plan"],
+                searched_over_best=meas[s] / best["measured_s"],
+                torchtitan_over_searched=meas[TORCHTITAN] / meas[s],
+                torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == TORCHTITAN),
+                spearman=float(spearmanr([r["predicted_s"] for r in fit],
+                                         [r["measured_s"] for r in fit])[0]),
+                n_plans=len(rows), n_fit=len(fit))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, res: (
+        f"searched {summ['searched']!r}: {summ['searched_over_best']:.3f}x the fastest fitting "
+        f"({summ['best']!r}), torchtitan-style {summ['torchtitan_over_searched']:.2f}x the "
+        f"searched, spearman {summ['spearman']:.2f}, overruns {sum(res['overruns'].values())}"))
+    write(repeats, args)
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+
+
+def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    cmd = " ".join([".venv/bin/python", *sys.argv])
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "autoddl_capped.json").write_text(json.dumps(
+        {"command": cmd, "gpt": uneven.GPT, "slowdown": uneven.SLOWDOWN, "k": uneven.K,
+         "caps": CAPS, "repeats": repeats}, indent=1))
+    ss = [r["summary"] for r in repeats]
+    g = uneven.GPT
+    tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
+    md = [f"<!-- made by: {cmd} -->",
+          "# The searched plan on speeds 1:1:2:4 with memory caps no device meets alone",
+          "", f"Command: `{cmd}`; {len(repeats)} repeat(s), one spawn of 4 gloo processes "
+          f"each; {args.steps} timed AdamW steps per plan (median), steps interleaved; GPT "
+          f"n_layer {g['n_layer']}, n_embd {g['n_embd']}, batch {g['B']} x {g['T']}; compute "
+          f"padded to K = {uneven.K} x slowdown x the solo time of this 2-core machine (every "
+          "plan; pipeline stages per micro-batch); loopback gloo links; memory caps "
+          f"{list(CAPS)} of the whole model's need (devices 0-3). Same global batch and lr for "
+          "every plan: a step-time comparison.", "",
+          "| plans measured (fit) | searched / fastest fitting (target <= 1.10) | "
+          "torchtitan-style dp-tp / searched | Spearman (fitting plans) |", "|---|---|---|---|",
+          f"| {ss[0]['n_plans']} ({ss[0]['n_fit']}) | "
+          f"{_med([s['searched_over_best'] for s in ss])} | "
+          f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
+          f"{_med([s['spearman'] for s in ss])} |", "",
+          "Searched per repeat: " + ", ".join(f"`{s['searched']}`" for s in ss), "",
+          "Fastest fitting per repeat: " + ", ".join(f"`{s['best']}`" for s in ss), "",
+          "Overruns: micro-batches (pipelines) or steps (one-stage plans) x ranks whose real "
+          "compute exceeded the emulated budget, summed over repeats.", "",
+          "## Per plan (repeat 0's prediction; measured median over repeats)", "",
+          "| plan | fits | memory MB | predicted s | measured s | spread | overruns |",
+          "|---|---|---|---|---|---|---|"]
+    for row in sorted(ss[0]["rows"], key=lambda r: (not r["fits"], r["predicted_s"])):
+        ms = [next(x["measured_s"] for x in s["rows"] if x["plan"] == row["plan"]) for s in ss
+              if any(x["plan"] == row["plan"] for x in s["rows"])]
+        over = sum(r["result"]["overruns"].get(row["plan"], 0) for r in repeats)
+        md.append(f"| {row['plan']} | {'yes' if row['fits'] else 'no'} | {row['memory_mb']:.1f} "
+                  f"| {row['predicted_s']:.4f} | {statistics.median(ms):.4f} "
+                  f"| {min(ms):.4f}-{max(ms):.4f} | {over} |")
+    (OUT / "autoddl_capped.md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
