@@ -127,6 +127,12 @@ def test_auto_plan_trains_where_the_small_device_cannot_hold_the_model(auto_run:
     ck = torch.load(auto_run / "checkpoint.pt", weights_only=True)
     assert set(ck["model"]) >= {"tok_emb.weight", "head.weight", "blocks.1.mlp.fc.weight"}
     assert ck["model"]["head.weight"].shape == (vocab(), 32)  # full, not a shard
+    from hetrain.report.metrics import RunResult
+    from hetrain.report.table import plan_lines
+
+    (line,) = plan_lines([RunResult("auto", [], summary, None)])
+    assert line.startswith(f"auto: plan {summary['parallel']['layout']} (predicted ")
+    assert "calibrated on the run's processes in" in line and "cluster file alone picked" in line
     assert main(["report", str(auto_run), "--out", str(auto_run.parent / "rep"), "--json"]) == 0
     reported = json.loads(capsys.readouterr().out)
     assert reported["runs"][0]["strategy"] == "parallel"

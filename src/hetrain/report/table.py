@@ -62,3 +62,25 @@ def comparison_table(runs: list[RunResult]) -> Table:
                   _fmt(row["epochs"], ".2f"), _fmt(row["time_s"], ".3g"),
                   _fmt(row["hardware_efficiency"], ".2f"), _fmt(row["gbytes_moved"], ".3f"))
     return t
+
+
+def plan_lines(runs: list[RunResult]) -> list[str]:
+    """One line per [parallel] run: the plan it trained under, its predicted and measured
+    step time, and what calibration changed (the table has no room for a plan)."""
+    out = []
+    for r in runs:
+        par = r.summary.get("parallel")
+        if not isinstance(par, dict) or not par.get("layout"):
+            continue
+        pred, meas = par.get("predicted_step_s"), par.get("measured_step_s")
+        line = (f"{r.name}: plan {par['layout']} (predicted {_fmt(pred and pred * 1e3, '.1f')}"
+                f" ms/step, measured {_fmt(meas and meas * 1e3, '.1f')} ms/step")
+        calib = par.get("calibration")
+        if isinstance(calib, dict):
+            was = par.get("uncalibrated_layout")
+            line += (f"; cost model calibrated on the run's processes in "
+                     f"{_fmt(calib.get('seconds'), '.1f')} s"
+                     + (", the cluster file alone picked the same plan" if was == par["layout"]
+                        else f", the cluster file alone picked {was}"))
+        out.append(line + ")")
+    return out
