@@ -160,3 +160,44 @@ def test_04_profile_plan_launch_flow(tmp_path):
                f'cluster="{measured}"', "--runs-dir", str(tmp_path), "--json", "--quiet"])
     (summary,) = json.loads(out)
     assert summary["engine"] == "dist" and summary["n_workers"] == 6
+
+
+AUTODDL = EXAMPLES / "07_autoddl"
+GPT_OPTIONS = ["--model-option", "n_layer=2", "--model-option", "n_embd=32", "--model-option",
+               "n_head=2", "--model-option", "vocab=92", "--model-option", "block_size=32"]
+"""The README's `hetrain plan` options: run.toml's GPT on its text corpus (92 characters)."""
+
+
+@pytest.mark.dist
+def test_07_autoddl_plan_gives_faster_devices_more_samples(tmp_path):
+    """The README's plan command and its run: on speeds 1:1:2:4 that each hold the model the
+    search picks batch shares in proportion to speed (compute-bound: the links are fast),
+    the run trains under them (calibrated first) and its steps last at least the emulated
+    compute (one sample at 2e8 FLOP/s); hetrain plan --calibration repeats the run's search."""
+    from hetrain.plan.cost import training_flops_per_sample
+    from hetrain.plan.graph import gpt_graph
+
+    cluster = str(AUTODDL / "cluster.toml")
+    planned = json.loads(run(["-m", "hetrain", "plan", "--cluster", cluster, "--model", "gpt",
+                              "--batch", "8", *GPT_OPTIONS, "--json"]))
+    assert planned["plan"]["stages"][0]["shares"] == [1, 1, 2, 4]
+    runs = tmp_path / "runs"
+    out = run(["-m", "hetrain", "run", str(AUTODDL / "run.toml"), "--runs-dir", str(runs),
+               "--no-plot", "--set", "stop.max_epochs=0.1"])
+    assert ("autoddl-lab: plan mesh 4 on devices [0, 1, 2, 3], batch shares [1, 1, 2, 4]"
+            in " ".join(out.split()))  # the console may wrap the line
+    summary = json.loads((runs / "autoddl-lab" / "summary.json").read_text())
+    par = summary["parallel"]
+    assert par["layout"] == "mesh 4 on devices [0, 1, 2, 3], batch shares [1, 1, 2, 4]"
+    samples = [w["samples"] for w in summary["workers"]]
+    assert samples[3] == 4 * samples[0] == 2 * samples[2] > 0
+    rows = [json.loads(line) for line in
+            (runs / "autoddl-lab" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["test_loss"] < 4.0  # ln(92) = 4.5 at the start
+    assert par["emulated_speeds"] == "cluster" and par["calibration"]["compute"] is False
+    fps = training_flops_per_sample(gpt_graph(2, 32, 2, 92, 32, 8))
+    assert par["measured_step_s"] >= fps / 2e8  # 31 ms: the slowest device's one sample
+    again = json.loads(run(["-m", "hetrain", "plan", "--cluster", cluster, "--model", "gpt",
+                            "--batch", "8", *GPT_OPTIONS, "--json", "--calibration",
+                            str(runs / "autoddl-lab" / "summary.json")]))
+    assert again["plan"] == par["plan"]
