@@ -382,6 +382,29 @@ def test_a_killed_rank_stops_the_run_in_one_line_and_every_process_exits(tmp_pat
 
 
 @pytest.mark.slow
+def test_a_rank_killed_during_the_start_up_calibration_is_named_in_one_line(
+        tmp_path: Path, started) -> None:
+    """Four ranks calibrate for several seconds before training (examples/07_autoddl): a
+    rank killed then ends the run as a loss in training does, in one line naming it."""
+    example = Path(__file__).parents[1] / "examples" / "07_autoddl" / "run.toml"
+    runs = tmp_path / "runs"
+    proc = _start(started, "run", str(example), "--runs-dir", str(runs), "--quiet", "--no-plot",
+                  "--set", "dist.worker_timeout_s=5", "--set", "train.checkpoint=false")
+    deadline = time.monotonic() + 60
+    while len(_ranks(proc)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(5)  # spawned, imported, joined the group: calibrating (about 10 s here)
+    ranks = _ranks(proc)
+    os.kill(ranks[1], signal.SIGKILL)  # spawned in rank order: rank 2
+    rc, _, err = finish(proc, 90)
+    assert rc == 2, err
+    last = err.strip().splitlines()[-1]
+    assert "rank 2 (device 'mid') was lost during the start-up calibration" in last, err
+    assert "Traceback" not in err
+    assert not [p for p in descendants(proc.pid) if alive(p)]
+
+
+@pytest.mark.slow
 def test_a_frozen_rank_is_named_within_the_worker_timeout(tmp_path: Path, started) -> None:
     """SIGSTOP: the process lives but answers nothing; collectives time out after
     dist.worker_timeout_s, rank 0 names it and the spawner kills it."""

@@ -74,26 +74,36 @@ def _time_s(fn: Callable[[], Any], calls: int = 8, reps: int = 7) -> float:
     return statistics.median(out)
 
 
-def _meshes(world: int) -> list[tuple[Any, int]]:
-    """(mesh, axis) pairs to time collectives on: all ranks in one group, and each axis of
-    a (2, world / 2) mesh where world is even and at least 4."""
+def _mesh(shape: tuple[int, ...], timeout_s: float | None) -> Any:
+    """init_device_mesh, its groups' collectives bounded by `timeout_s` (None: gloo's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    out = [(init_device_mesh("cpu", (world,)), 0)]
+    mesh = init_device_mesh("cpu", shape)
+    if timeout_s is not None:
+        from hetrain.parallel.train import set_timeouts
+
+        set_timeouts(timeout_s)
+    return mesh
+
+
+def _meshes(world: int, timeout_s: float | None) -> list[tuple[Any, int]]:
+    """(mesh, axis) pairs to time collectives on: all ranks in one group, and each axis of
+    a (2, world / 2) mesh where world is even and at least 4."""
+    out = [(_mesh((world,), timeout_s), 0)]
     if world >= 4 and world % 2 == 0:
-        m2 = init_device_mesh("cpu", (2, world // 2))
+        m2 = _mesh((2, world // 2), timeout_s)
         out += [(m2, 0), (m2, 1)]
     return out
 
 
 def collective_times(world: int, sizes: tuple[int, ...] = FULL_SIZES, calls: int = 8,
-                     reps: int = 7) -> list[Row]:
+                     reps: int = 7, timeout_s: float | None = None) -> list[Row]:
     """Rows of DTensor redistributions on the meshes of `_meshes` (every rank calls)."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
     if world < 2:
         return []
-    meshes = _meshes(world)
+    meshes = _meshes(world, timeout_s)
     moves = {"all_reduce": (Partial(), Replicate()), "all_gather": (Shard(0), Replicate()),
              "reduce_scatter": (Partial(), Shard(0)), "all_to_all": (Shard(0), Shard(1))}
     out: list[Row] = []
@@ -181,19 +191,18 @@ def _op_cases(s: int) -> dict[str, tuple[Any, list[torch.Tensor], float]]:
             "cross_entropy": (F.cross_entropy, [x(b * t, 256), torch.randint(0, 256, (b * t,))], 4.0 * b * t * 256)}
 
 
-def op_profile(world: int, flops: float, calls: int = 5, reps: int = 9
-               ) -> tuple[dict[str, float], dict[str, float]]:
+def op_profile(world: int, flops: float, calls: int = 5, reps: int = 9,
+               timeout_s: float | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Per op kind, (fixed overhead s, throughput / matmul FLOP/s) of forward + backward of
     replicated DTensors on the mesh of all ranks, every rank at once, from a small and a base
     size: t(size) = overhead + c flops(size) / rate."""
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
 
     register_cpu_sdpa_sharding()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = _mesh((world,), timeout_s)
     times: dict[tuple[str, int], tuple[float, float]] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -233,10 +242,11 @@ def _matmul_flops(seconds: float) -> float:
     return 2.0 * 512 * 128 * 512 * n / (time.perf_counter() - t0)
 
 
-def calibrate(quick: bool = False) -> dict[str, Any]:
+def calibrate(quick: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
     """Microbenchmarks on every rank of the default group (collective: every rank calls);
     returns rank 0's figures on every rank, plain data (JSON-able): flops, call_s, alpha_s,
-    beta_Bps, factors, op_overhead_s, kind_speed, collective_rows, seconds."""
+    beta_Bps, factors, op_overhead_s, kind_speed, collective_rows, seconds. `timeout_s`: how
+    long a collective of the groups it creates waits for a peer (gloo's default: 30 min)."""
     from hetrain.parallel.train import broadcast_from_rank0
 
     t0 = time.perf_counter()
@@ -246,11 +256,12 @@ def calibrate(quick: bool = False) -> dict[str, Any]:
                                             dtype=torch.float64))
     flops = statistics.median(float(f.item()) for f in flops_all)
     if quick:
-        rows = collective_times(world, QUICK_SIZES, calls=4, reps=5)
+        rows = collective_times(world, QUICK_SIZES, calls=4, reps=5, timeout_s=timeout_s)
     else:
-        rows = collective_times(world)
+        rows = collective_times(world, timeout_s=timeout_s)
     call_s, alpha, beta, factors = fit_collectives(rows) if rows else (0.0, 0.0, 0.0, [])
-    overhead, speed = op_profile(world, flops, *((3, 5) if quick else (5, 9)))
+    overhead, speed = op_profile(world, flops, *((3, 5) if quick else (5, 9)),
+                                 timeout_s=timeout_s)
     calib = dict(flops=flops, alpha_s=alpha, beta_Bps=beta, factors=factors, call_s=call_s,
                  op_overhead_s=overhead, kind_speed=speed, collective_rows=rows,
                  seconds=time.perf_counter() - t0)

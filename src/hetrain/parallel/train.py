@@ -47,7 +47,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -271,7 +271,7 @@ def calibrated_setup(cfg: RunConfig, setup: Setup, cluster: Cluster,
     the uncalibrated one passed keeps the uncalibrated plan (`uncalibrated` says so)."""
     from hetrain.parallel.calibrate import calibrate, cost_options
 
-    calib = calibrate(quick=True)
+    calib = calibrate(quick=True, timeout_s=cfg.dist.worker_timeout_s)
     new = None
     if dist.get_rank() == 0:
         options = cost_options(calib, CostOptions(optimizer_states=optimizer_states(cfg.optimizer)),
@@ -631,10 +631,43 @@ def comm_failure(e: BaseException) -> BaseException | None:
     return None
 
 
+def _lost(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, run_dir: Path | None,
+          beat: Heartbeat, e: BaseException, checkpointed: int | None, when: str
+          ) -> BaseException:
+    """What a rank raises for `e` during `when`: `e` itself unless a collective failed; on
+    rank 0 the one line naming the lost ranks (_lost_error), elsewhere ConnectionLostError
+    after reporting the failure (so rank 0 does not name this rank)."""
+    failed = comm_failure(e)
+    if failed is None:
+        return e
+    rank = dist.get_rank()
+    if rank != 0:
+        from hetrain.engine.dist import ConnectionLostError, _gloo_reason
+
+        beat.report_failure()
+        return ConnectionLostError(f"rank {rank}: {_gloo_reason(failed)}: a rank of the run "
+                                   "was lost (rank 0 says which)")
+    return _lost_error(cfg, cluster, store, dist.get_world_size(), run_dir, checkpointed, when, e)
+
+
+@contextlib.contextmanager
+def _lost_in(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, run_dir: Path | None,
+             beat: Heartbeat, when: str) -> Iterator[None]:
+    """A lost rank during `when` (before training) ends the run in one line, as in training."""
+    try:
+        yield
+    except Exception as e:
+        err = _lost(cfg, cluster, store, run_dir, beat, e, None, when)
+        if err is e:
+            raise
+        raise err from None
+
+
 def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, world: int,
-                run_dir: Path | None, checkpointed: int | None, step: int,
+                run_dir: Path | None, checkpointed: int | None, when: str,
                 e: BaseException) -> Exception:
-    """Rank 0's one line for a rank that died or froze: who, why, the checkpoint to resume."""
+    """Rank 0's one line for a rank that died or froze during `when` ("step 12", "the
+    start-up calibration"): who, why, the checkpoint to resume."""
     from hetrain.engine.dist import _gloo_reason
     from hetrain.engine.dist_server import WorkerLostError
 
@@ -642,10 +675,9 @@ def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, worl
     reason = _gloo_reason(comm_failure(e) or e)
     if lost:
         who = ", ".join(f"rank {r} (device '{cluster.devices[r].name}')" for r in lost)
-        what = f"{who} {'was' if len(lost) == 1 else 'were'} lost during step {step + 1} " \
-               f"({reason})"
+        what = f"{who} {'was' if len(lost) == 1 else 'were'} lost during {when} ({reason})"
     else:
-        what = f"a collective failed during step {step + 1} ({reason})"
+        what = f"a collective failed during {when} ({reason})"
     if run_dir is None:
         where = "no checkpoint (the run has no run folder)"
     elif not cfg.train.checkpoint:
@@ -671,7 +703,10 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     assert par is not None
     rank = dist.get_rank()
     if par.plan == "auto" and par.calibrate and not cfg.train.resume:
-        setup = calibrated_setup(cfg, setup, cluster, workload)
+        with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
+                                                       "the start-up calibration"):
+            set_timeouts(cfg.dist.worker_timeout_s)
+            setup = calibrated_setup(cfg, setup, cluster, workload)
     plan = Plan.from_dict(setup.plan)
     batch = cfg.train.batch_size
     torch.manual_seed(cfg.train.seed)
@@ -797,17 +832,11 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                     if flags[_STOP]:
                         break
             except RuntimeError as e:
-                failed = comm_failure(e)
-                if failed is None:
+                err = _lost(cfg, cluster, store, run_dir, beat, e, checkpointed,
+                            f"step {step + 1}")
+                if err is e:
                     raise
-                if rank != 0:
-                    from hetrain.engine.dist import ConnectionLostError, _gloo_reason
-
-                    beat.report_failure()
-                    raise ConnectionLostError(f"rank {rank}: {_gloo_reason(failed)}: a rank of the "
-                                              "run was lost (rank 0 says which)") from None
-                raise _lost_error(cfg, cluster, store, dist.get_world_size(), run_dir,
-                                  checkpointed, step, e) from None
+                raise err from None
     finally:
         if log is not None:
             log.close()
