@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).parent))
 import autoddl_uneven as uneven
 from autoddl_predicted_vs_measured import M4, M22
-from common import results_dir, spawned_repeats
+from common import interleaved_steps, pad_overruns, results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster
 from hetrain.parallel.execute import make_executor
@@ -80,12 +80,6 @@ def plans(cluster: Cluster, options: CostOptions) -> tuple[dict[str, Plan], str]
     return out, next(k for k, p in out.items() if p == found.plan)
 
 
-def _overruns(ex: Any) -> int:
-    pad = (getattr(ex, "pad", None) or getattr(getattr(ex, "inner", None), "pad", None)
-           or getattr(getattr(ex, "module", None), "pad", None))
-    return pad.overruns if pad is not None else 0
-
-
 def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     calib = uneven.calibrate(rank, world)
@@ -105,15 +99,9 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
         params = ex.parameters()
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=False) if params else None
         runs.append((label, ex, opt, []))
-    for k in range(steps + 2):
-        for _, ex, opt, times in runs:
-            dist.barrier()
-            t0 = time.perf_counter()
-            ex.step(x, y, opt)
-            dist.barrier()
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-    total = torch.tensor([float(_overruns(ex)) for _, ex, _, _ in runs])
+    interleaved_steps(steps, [(functools.partial(ex.step, x, y, opt), times)
+                              for _, ex, opt, times in runs])
+    total = torch.tensor([float(pad_overruns(ex)) for _, ex, _, _ in runs])
     dist.all_reduce(total)  # every rank's, summed, per plan
     return {"calibration": calib, "plans": {k: p.to_dict() for k, p in found.items()},
             "searched": searched,

@@ -30,6 +30,7 @@ per seed. Writes benchmarks/results/autoddl_tta.{json,md}.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import results_dir
+from common import interleaved_steps, pad_overruns, results_dir
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
@@ -159,13 +160,6 @@ def options_of(calib: dict[str, Any]) -> CostOptions:
                        collective_call_s=calib["call_s"])
 
 
-def _overruns(ex: Any) -> int:
-    """Steps (pipelines: micro-batches) whose real compute exceeded this rank's budget."""
-    pad = (getattr(ex, "pad", None) or getattr(getattr(ex, "inner", None), "pad", None)
-           or getattr(getattr(ex, "module", None), "pad", None))
-    return pad.overruns if pad is not None else 0
-
-
 def step_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     from hetrain.parallel.calibrate import collective_times, fit_collectives
     from hetrain.parallel.execute import make_executor
@@ -199,15 +193,9 @@ def step_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
             params = ex.parameters()
             opt = torch.optim.AdamW(params, lr=1e-3) if params else None
             runs.append((name, b, plan, cluster, ex, opt, x, y, []))
-    for k in range(steps + 2):
-        for *_, ex, opt, x, y, times in runs:
-            dist.barrier()
-            t0 = time.perf_counter()
-            ex.step(x, y, opt)
-            dist.barrier()
-            if k >= 2:
-                times.append(time.perf_counter() - t0)
-    over = torch.tensor([float(_overruns(r[4])) for r in runs])
+    interleaved_steps(steps, [(functools.partial(ex.step, x, y, opt), times)
+                              for *_, ex, opt, x, y, times in runs])
+    over = torch.tensor([float(pad_overruns(r[4])) for r in runs])
     dist.all_reduce(over)  # every rank's, summed, per plan
     out: dict[str, Any] = {"calibration": calib, "plans": chosen, "step_s": {}, "predicted_s": {},
                            "overruns": {}}

@@ -56,3 +56,27 @@ def spawned_repeats(worker: Callable[..., Any], args: tuple[Any, ...], repeats: 
         out.append(dict(result=res, summary=summ, wall_s=time.perf_counter() - t0))
         print(f"repeat {r} ({out[-1]['wall_s']:.0f} s): {describe(summ, res)}", flush=True)
     return out
+
+
+def pad_overruns(ex: Any) -> int:
+    """Steps (pipeline stages: micro-batches) whose real compute on this rank exceeded its
+    emulated budget, for any hetrain.parallel executor (0 without emulation)."""
+    pad = (getattr(ex, "pad", None) or getattr(getattr(ex, "inner", None), "pad", None)
+           or getattr(getattr(ex, "module", None), "pad", None))
+    return pad.overruns if pad is not None else 0
+
+
+def interleaved_steps(steps: int, runs: list[tuple[Callable[[], Any], list[float]]]) -> None:
+    """2 warm-up and `steps` timed calls of each run's step, round-robin over the runs so
+    that load from other work hits all alike, each between barriers of the default group;
+    the timed seconds are appended to the run's list."""
+    import torch.distributed as dist
+
+    for k in range(steps + 2):
+        for step, times in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            if k >= 2:
+                times.append(time.perf_counter() - t0)
