@@ -23,7 +23,7 @@ from hetrain.cluster import Device, load_cluster
 from hetrain.config import RunConfig, load_config
 from hetrain.engine import auth, nodes
 from hetrain.errors import ConfigError
-from hetrain.report.table import comparison_table
+from hetrain.report.table import results_renderables
 from hetrain.runner import run_config
 from hetrain.validate import MAX_DEVICES, check_number, integer, preflight
 
@@ -202,7 +202,8 @@ def main(args: argparse.Namespace) -> int:
     with out.progress(f"{cfg.name} [{label}, dist]") as progress:
         result = run_config(cfg, runs_root=args.runs_dir, progress=progress,
                             quiet=args.quiet)
-    out.print(comparison_table([result]))
+    for shown in results_renderables([result]):
+        out.print(shown)
     if not args.no_plot:
         write_plots([result], Path(args.runs_dir) / cfg.name, out)
     out.json([result.summary])

@@ -8,7 +8,7 @@ from pathlib import Path
 from hetrain.cli.output import Output
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import load_run
-from hetrain.report.table import comparison_rows, comparison_table
+from hetrain.report.table import comparison_rows, results_renderables
 from hetrain.validate import check_output_dir
 
 
@@ -36,7 +36,8 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path(runs[0].run_dir or ".").parent / "report"
     check_output_dir(out_dir, "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    out.print(comparison_table(runs))
+    for shown in results_renderables(runs):
+        out.print(shown)
     tta = plot_time_to_accuracy(runs, out_dir / "time_to_accuracy.png")
     util = plot_utilisation(runs, out_dir / "utilisation.png")
     plots = [tta, util, plot_noise_scale(runs, out_dir / "noise_scale.png")]

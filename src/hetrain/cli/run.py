@@ -13,14 +13,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from rich.text import Text
 
 from hetrain.baselines import FASTEST_ALONE, fastest_alone
 from hetrain.cli.output import Output
 from hetrain.config import RunConfig, StrategyConfig, config_from_dict, load_config
 from hetrain.errors import ConfigError
 from hetrain.report.metrics import RunResult
-from hetrain.report.table import comparison_table, plan_lines
+from hetrain.report.table import results_renderables
 from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
 from hetrain.validate import check_runs_dir, preflight
@@ -144,9 +143,8 @@ def main(args: argparse.Namespace) -> int:
                                       quiet=args.quiet))
     if any("role" in r.summary for r in results):
         return 0  # a worker or PS-shard rank of a dist run: rank 0 reports the results
-    out.print(comparison_table(results))
-    for line in plan_lines(results):
-        out.print(Text(line))  # a layout's [0, 1] is not markup
+    for shown in results_renderables(results):
+        out.print(shown)
     if not args.no_plot:
         write_plots(results, Path(args.runs_dir) / (base.name + "-report" if len(configs) > 1
                                                      else base.name), out)

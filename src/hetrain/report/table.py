@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from hetrain.report.metrics import RunResult
 
@@ -84,3 +85,9 @@ def plan_lines(runs: list[RunResult]) -> list[str]:
                         else f", the cluster file alone picked {was}"))
         out.append(line + ")")
     return out
+
+
+def results_renderables(runs: list[RunResult]) -> list[Table | Text]:
+    """What `hetrain run`, `launch` and `report` print: the comparison table, then the plan
+    line of each [parallel] run (Text: a layout's [0, 1] is not markup)."""
+    return [comparison_table(runs), *(Text(line) for line in plan_lines(runs))]
