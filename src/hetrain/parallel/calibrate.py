@@ -29,6 +29,7 @@ calibration.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -100,19 +101,21 @@ def collective_times(world: int, sizes: tuple[int, ...] = FULL_SIZES, calls: int
                      reps: int = 7, timeout_s: float | None = None) -> list[Row]:
     """Rows of DTensor redistributions on the meshes of `_meshes` (every rank calls)."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import Placement
 
     if world < 2:
         return []
     meshes = _meshes(world, timeout_s)
-    moves = {"all_reduce": (Partial(), Replicate()), "all_gather": (Shard(0), Replicate()),
-             "reduce_scatter": (Partial(), Shard(0)), "all_to_all": (Shard(0), Shard(1))}
+    moves: dict[str, tuple[Placement, Placement]] = {
+        "all_reduce": (Partial(), Replicate()), "all_gather": (Shard(0), Replicate()),
+        "reduce_scatter": (Partial(), Shard(0)), "all_to_all": (Shard(0), Shard(1))}
     out: list[Row] = []
     for mesh, axis in meshes:
         p = mesh.shape[axis]
         for kind, (src, dst) in moves.items():
             for nbytes in [2**k for k in sizes]:
                 full = torch.zeros(max(nbytes // 4 // 32, 4, p), 32)
-                pl_src = [Replicate()] * mesh.ndim
+                pl_src: list[Placement] = [Replicate()] * mesh.ndim
                 pl_dst = list(pl_src)
                 pl_src[axis], pl_dst[axis] = src, dst
                 x = distribute_tensor(full, mesh, [Replicate() if isinstance(q, Partial) else q
@@ -120,7 +123,7 @@ def collective_times(world: int, sizes: tuple[int, ...] = FULL_SIZES, calls: int
                 if isinstance(src, Partial):
                     x = type(x).from_local(x.to_local(), mesh, pl_src, run_check=False)
                 out.append((kind, p, nbytes, _time_s(
-                    lambda x=x, d=pl_dst, m=mesh: x.redistribute(m, d), calls, reps)))
+                    functools.partial(x.redistribute, mesh, pl_dst), calls, reps)))
     if len(meshes) > 1:  # partial on both axes -> replicated: one all-reduce per axis, in turn
         mesh = meshes[1][0]
         m = mesh.shape[1]
@@ -129,7 +132,7 @@ def collective_times(world: int, sizes: tuple[int, ...] = FULL_SIZES, calls: int
             x = distribute_tensor(full, mesh, [Replicate(), Replicate()], src_data_rank=None)
             x = type(x).from_local(x.to_local(), mesh, [Partial(), Partial()], run_check=False)
             out.append(("all_reduce_both_axes", m, nbytes, _time_s(
-                lambda x=x, mesh=mesh: x.redistribute(mesh, [Replicate(), Replicate()]),
+                functools.partial(x.redistribute, mesh, [Replicate(), Replicate()]),
                 calls, reps)))
     return out
 
@@ -144,7 +147,7 @@ def fit_collectives(rows: list[Row]) -> tuple[float, float, float, list[tuple[st
     ill-determined, and it decides whether a 1-D all-reduce of 4 beats two of 2 (data vs 2-D
     data parallel). Refitting the same 5 repeats' timings without those rows gave VGG's
     Spearman against the measured order 0.69 instead of 0.90 (autoddl_fit_ablation)."""
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # type: ignore[import-untyped]
 
     def ring(kind: str, p: int, n: int) -> list[float]:
         steps, frac = _FORMULA[kind](p)
@@ -288,14 +291,16 @@ def cost_options(calib: dict[str, Any], base: CostOptions | None = None,
     """`base` with the calibration's corrections: the per-call cost and per-collective factors,
     and, with `compute`, each op kind's overhead and relative throughput (leave those out where
     compute is padded to the cluster file's figures, hetrain run's speed emulation)."""
-    comm = dict(collective_factors=tuple((str(k), float(a), float(b))
-                                         for k, a, b in calib["factors"]),
-                collective_call_s=float(calib["call_s"]))
-    ops = dict(op_overhead_s=tuple(sorted((str(k), float(v))
-                                          for k, v in calib["op_overhead_s"].items())),
-               kind_speed=tuple(sorted((str(k), float(v))
-                                       for k, v in calib["kind_speed"].items())))
-    return dataclasses.replace(base or CostOptions(), **comm, **(ops if compute else {}))
+    out = dataclasses.replace(
+        base or CostOptions(),
+        collective_factors=tuple((str(k), float(a), float(b)) for k, a, b in calib["factors"]),
+        collective_call_s=float(calib["call_s"]))
+    if not compute:
+        return out
+    return dataclasses.replace(
+        out, op_overhead_s=tuple(sorted((str(k), float(v))
+                                        for k, v in calib["op_overhead_s"].items())),
+        kind_speed=tuple(sorted((str(k), float(v)) for k, v in calib["kind_speed"].items())))
 
 
 def read_calibration(path: str) -> dict[str, Any]:
