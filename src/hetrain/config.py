@@ -279,8 +279,9 @@ class ParallelConfig:
     calibrate: bool = True
     """plan = "auto": before training, time collectives and op kinds on the run's own
     processes (a few seconds; hetrain.parallel.calibrate) and search again with those
-    corrections to the cluster file's figures (per-call costs the file cannot list). Off: the
-    cluster file's figures alone."""
+    corrections to the cluster file's figures (per-call costs the file cannot list); skipped
+    on one device and when resuming (the checkpoint's plan). Off: the cluster file's figures
+    alone."""
     eval_batch_size: int = 256
     """Samples per forward pass when rank 0 evaluates the test split."""
 

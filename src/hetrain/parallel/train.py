@@ -702,7 +702,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     par = cfg.parallel
     assert par is not None
     rank = dist.get_rank()
-    if par.plan == "auto" and par.calibrate and not cfg.train.resume:
+    if par.plan == "auto" and par.calibrate and not cfg.train.resume and dist.get_world_size() > 1:
         with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
                                                        "the start-up calibration"):
             set_timeouts(cfg.dist.worker_timeout_s)
