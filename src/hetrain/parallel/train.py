@@ -252,12 +252,12 @@ def first_setup(cfg: RunConfig, cluster: Cluster, workload: Workload,
     one); a plan file must match the checkpoint's."""
     par = cfg.parallel
     assert par is not None
+    if cfg.train.resume and par.plan == "auto":  # no search: the checkpoint's plan, checked
+        saved = load_checkpoint(run_dir, cfg, None)["meta"]["plan"]
+        return make_setup(cfg, cluster, workload, plan=Plan.from_dict(saved))
     setup = make_setup(cfg, cluster, workload)
     if cfg.train.resume:
-        auto = par.plan == "auto"
-        saved = load_checkpoint(run_dir, cfg, None if auto else setup.plan)["meta"]["plan"]
-        if auto and saved != setup.plan:
-            setup = make_setup(cfg, cluster, workload, plan=Plan.from_dict(saved))
+        load_checkpoint(run_dir, cfg, setup.plan)
     return setup
 
 
@@ -274,10 +274,11 @@ def calibrated_setup(cfg: RunConfig, setup: Setup, cluster: Cluster,
     calib = calibrate(quick=True, timeout_s=cfg.dist.worker_timeout_s)
     new = None
     if dist.get_rank() == 0:
+        compute = cfg.dist.emulate == "none"  # under "cluster" compute is padded to the file's
         options = cost_options(calib, CostOptions(optimizer_states=optimizer_states(cfg.optimizer)),
-                               compute=cfg.dist.emulate == "none")  # "cluster": padded
+                               compute=compute)
         figures = {k: v for k, v in calib.items() if k != "collective_rows"}
-        figures["compute"] = cfg.dist.emulate == "none"  # were the op kinds' corrections used
+        figures["compute"] = compute  # were the op kinds' corrections used
         was = _layout(Plan.from_dict(setup.plan))
         try:
             found = make_setup(cfg, cluster, workload, options=options)
