@@ -48,7 +48,7 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from autoddl_predicted_vs_measured import GPT, M4, M22, _calibrate, models, options_from
-from common import results_dir, spawned_repeats
+from common import median_range, results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.parallel.calibrate import calibrate
@@ -223,11 +223,7 @@ def _lone(ss: list[dict[str, Any]]) -> str:
     xs = [s["lone_over_searched"] for s in ss if s["lone_over_searched"] is not None]
     if not xs:
         return "n/a"
-    return _med(xs) + ("" if ss[0]["lone_fits"] else " (does not fit the caps)")
-
-
-def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
+    return median_range(xs, ".3f") + ("" if ss[0]["lone_fits"] else " (does not fit the caps)")
 
 
 def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -263,12 +259,12 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
         ss = [r["summary"][c] for r in repeats]
         tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
         md.append(f"| {c} | {ss[0]['n_plans']} ({ss[0]['n_fit']}) | "
-                  f"{_med([s['searched_over_best'] for s in ss])} | "
-                  f"{_med([s['as_run_over_best']['calibrated'] for s in ss])} | "
-                  f"{_med([s['as_run_over_best']['uncalibrated'] for s in ss])} | "
-                  f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
+                  f"{median_range([s['searched_over_best'] for s in ss], '.3f')} | "
+                  f"{median_range([s['as_run_over_best']['calibrated'] for s in ss], '.3f')} | "
+                  f"{median_range([s['as_run_over_best']['uncalibrated'] for s in ss], '.3f')} | "
+                  f"{median_range([s['torchtitan_over_searched'] for s in ss], '.3f')}{tt} | "
                   f"{_lone(ss)} | "
-                  f"{_med([s['spearman'] for s in ss])} |")
+                  f"{median_range([s['spearman'] for s in ss], '.3f')} |")
     for c in repeats[0]["summary"]:
         md += ["", f"## {c}: per plan (repeat 0's prediction; measured median over repeats)", "",
                "searched per repeat: " + ", ".join(f"`{r['summary'][c]['searched']}`"

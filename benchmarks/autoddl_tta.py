@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import interleaved_steps, pad_overruns, results_dir
+import autoddl_uneven as uneven
+from common import interleaved_steps, median_range, pad_overruns, results_dir
 
-from hetrain.cluster import Cluster, Device, Link, Site
-from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
+from hetrain.plan.cost import Plan, plan_cost, training_flops_per_sample
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
 
@@ -61,13 +61,12 @@ EPOCHS = 1.5
 EVAL_SAMPLES = 256
 EVAL_EVERY_SAMPLES = 160
 SELECTION, HELD_OUT = (0, 1, 2), (3, 4, 5)
-SLOWDOWN = (4.0, 4.0, 2.0, 1.0)
-"""Per rank: the fastest device's speed over this one's (speeds 1:1:2:4)."""
 K = 6.0
 """Emulated slowdown of the fastest device against one process alone here: large enough that
 the real compute of 4 processes sharing 2 cores (and each step's fixed costs) stays under the
-budget at every batch (overruns are counted and reported); at 3 a batch-8 step took 2.5x its
-budget (28 ms against 11 ms)."""
+budget at every batch (overruns are counted and reported); a first run at 3 (autoddl_uneven's)
+measured batch-8 steps well above their budget, i.e. at this machine's speed, not the
+emulated one."""
 LONE = Mesh((1,), (3,))
 
 
@@ -125,43 +124,14 @@ def steps_to(points: list[list[float]], target: float) -> float:
     return math.inf
 
 
-# ---- 2. step times on 4 emulated devices --------------------------------------------------------
+# ---- 2. step times on 4 emulated devices (autoddl_uneven's emulation, at K here) ------------
 def solo_fit(w: Any) -> tuple[float, float]:
-    """(a, c) of forward + backward time t(b) = a + c b in this process alone (medians)."""
+    """autoddl_uneven.fit_solo of the workload's model on its first 8 and 32 samples."""
     torch.manual_seed(0)
-    model = w.build_model()
-
-    def timed(b: int) -> float:
-        x, y = w.batch(torch.arange(b))
-        ts = []
-        for k in range(8):
-            t0 = time.perf_counter()
-            w.loss_fn(model(x), y).backward()
-            if k >= 2:
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    t1, t4 = timed(8), timed(32)
-    c = max((t4 - t1) / 24, 0.1 * t1 / 8)
-    return max(t1 - c * 8, 0.0), c
-
-
-def emulated_cluster(calib: dict[str, float], fps: float) -> Cluster:
-    site = Site("local", Link(calib["beta_Bps"], calib["alpha_s"]),
-                Link(calib["beta_Bps"], calib["alpha_s"]))
-    return Cluster("speeds-1-1-2-4", tuple(
-        Device(f"rank{i}", fps / (K * s * calib["c"]), 8e9, "local",
-               step_overhead_s=K * s * calib["a"]) for i, s in enumerate(SLOWDOWN)), (site,))
-
-
-def options_of(calib: dict[str, Any]) -> CostOptions:
-    """AdamW; the collectives as measured (hetrain run's calibration under emulation)."""
-    return CostOptions(optimizer_states=2.0, collective_factors=tuple(calib["factors"]),
-                       collective_call_s=calib["call_s"])
+    return uneven.fit_solo(w.build_model(), lambda b: w.batch(torch.arange(b)), w.loss_fn, 8)
 
 
 def step_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
-    from hetrain.parallel.calibrate import collective_times, fit_collectives
     from hetrain.parallel.execute import make_executor
     from hetrain.parallel.train import run_graph
 
@@ -169,21 +139,15 @@ def step_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     w = workload()
     torch.manual_seed(0)
     model0 = w.build_model()
-    ac = solo_fit(w) if rank == 0 else (0.0, 0.0)
-    call_s, alpha, beta, factors = fit_collectives(collective_times(world))
-    flat = torch.tensor([*ac, call_s, alpha, beta, *(v for _, a, b in factors for v in (a, b))],
-                        dtype=torch.float64)
-    dist.broadcast(flat, src=0)  # rank 0's figures everywhere; nothing unpickled
-    v = flat.tolist()
-    calib = dict(a=v[0], c=v[1], call_s=v[2], alpha_s=v[3], beta_Bps=v[4],
-                 factors=[(k, v[5 + 2 * i], v[6 + 2 * i]) for i, (k, _, _) in enumerate(factors)])
+    calib = uneven.calibrate(rank, world, functools.partial(solo_fit, w))
+    options = uneven.options_of(calib)  # what hetrain run's calibration adds under emulation
     runs, chosen = [], {}
     for b in BATCHES:
         graph = run_graph(w, model0, b)
         fps = training_flops_per_sample(graph)
-        cluster = emulated_cluster(calib, fps)
+        cluster = uneven.cluster_of(calib, fps, K)
         me = cluster.devices[rank]
-        found = search_plan(graph, cluster, SearchOptions(), options_of(calib)).plan
+        found = search_plan(graph, cluster, SearchOptions(), options).plan
         chosen[b] = found.to_dict()
         x, y = w.batch(torch.arange(b))
         for name, plan in (("searched", found), ("lone", template_plan(graph, LONE, "dp"))):
@@ -203,7 +167,7 @@ def step_worker(rank: int, world: int, steps: int) -> dict[str, Any]:
         out["overruns"][f"{name}/{b}"] = int(n)
         out["step_s"][f"{name}/{b}"] = statistics.median(times)
         out["predicted_s"][f"{name}/{b}"] = plan_cost(run_graph(w, model0, b), plan, cluster,
-                                                      options_of(calib)).time_s
+                                                      options).time_s
     return out
 
 
@@ -257,17 +221,13 @@ def main() -> None:
     write(got, steps, summary, args, time.perf_counter() - t0)
 
 
-def _med(xs: list[float], spec: str = ".2f") -> str:
-    return f"{format(statistics.median(xs), spec)} ({format(min(xs), spec)}-{format(max(xs), spec)})"
-
-
 def write(curves: list[dict[str, Any]], steps: dict[str, Any], summary: dict[str, Any],
           args: argparse.Namespace, wall_s: float) -> None:
     cmd = " ".join([".venv/bin/python", *sys.argv])
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "autoddl_tta.json").write_text(json.dumps(
         {"command": cmd, "workload": WORKLOAD, "batches": BATCHES, "lrs": LRS, "targets": TARGETS,
-         "slowdown": SLOWDOWN, "k": K, "curves": curves, "steps": steps, "summary": summary,
+         "slowdown": uneven.SLOWDOWN, "k": K, "curves": curves, "steps": steps, "summary": summary,
          "wall_s": wall_s}, indent=1))
     md = [f"<!-- made by: {cmd} -->",
           "# Time to a target loss: the searched AutoDDL plan against the fastest device alone",
@@ -284,9 +244,9 @@ def write(curves: list[dict[str, Any]], steps: dict[str, Any], summary: dict[str
           "searched: batch, lr, time s | lone: batch, lr, time s |", "|---|---|---|---|"]
     for t, cell in summary.items():
         se, lo = cell["searched"], cell["lone"]
-        md.append(f"| {t} | **{_med(cell['lone_over_searched'])}** | {se['batch']}, {se['lr']}, "
-                  f"{_med(se['held_out_s'], '.1f')}{' (grid edge)' if se['edge'] else ''} | "
-                  f"{lo['batch']}, {lo['lr']}, {_med(lo['held_out_s'], '.1f')}"
+        md.append(f"| {t} | **{median_range(cell['lone_over_searched'])}** | {se['batch']}, {se['lr']}, "
+                  f"{median_range(se['held_out_s'], '.1f')}{' (grid edge)' if se['edge'] else ''} | "
+                  f"{lo['batch']}, {lo['lr']}, {median_range(lo['held_out_s'], '.1f')}"
                   f"{' (grid edge)' if lo['edge'] else ''} |")
     md += ["", "## Step times on the emulated devices (median of the timed steps)", "",
            "| batch | searched plan | searched s | predicted s | lone s | predicted s | "

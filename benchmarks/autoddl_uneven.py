@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 from autoddl_predicted_vs_measured import M4
-from common import results_dir, spawned_repeats
+from common import median_range, results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster, Device, Link, Site
 from hetrain.parallel.calibrate import collective_times, fit_collectives
@@ -84,19 +85,16 @@ def batch(gen: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, g["vocab"], (b, g["T"]), generator=gen))
 
 
-def solo_fit() -> tuple[float, float]:
-    """(a, c) of forward + backward time t(b) = a + c b in this process alone (medians)."""
-    torch.manual_seed(0)
-    model = build()
-    gen = torch.Generator().manual_seed(2)
-    b1 = GPT["B"] // 4
-
+def fit_solo(model: torch.nn.Module, batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+             loss_fn: Callable[..., torch.Tensor], b1: int) -> tuple[float, float]:
+    """(a, c) of forward + backward time t(b) = a + c b of `model` in this process alone
+    (medians of 6 timings at b1 and at 4 b1; batch_of(b) gives a batch of b samples)."""
     def timed(b: int) -> float:
-        x, y = batch(gen, b)
+        x, y = batch_of(b)
         ts = []
         for k in range(8):
             t0 = time.perf_counter()
-            cross_entropy(model(x), y).backward()
+            loss_fn(model(x), y).backward()
             if k >= 2:
                 ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
@@ -106,13 +104,23 @@ def solo_fit() -> tuple[float, float]:
     return max(t1 - c * b1, 0.0), c
 
 
-def cluster_of(calib: dict[str, Any]) -> Cluster:
+def solo_fit() -> tuple[float, float]:
+    """fit_solo of this benchmark's GPT on random batches of B/4 and B."""
+    torch.manual_seed(0)
+    model = build()
+    gen = torch.Generator().manual_seed(2)
+    return fit_solo(model, lambda b: batch(gen, b), cross_entropy, GPT["B"] // 4)
+
+
+def cluster_of(calib: dict[str, Any], fps: float | None = None, k: float = K) -> Cluster:
+    """The devices the budgets emulate: k x slowdown x the solo fit, for a model of `fps`
+    training FLOPs per sample (default: this benchmark's GPT)."""
     site = Site("local", Link(calib["beta_Bps"], calib["alpha_s"]),
                 Link(calib["beta_Bps"], calib["alpha_s"]))
-    fps = flops_per_sample()
+    fps = flops_per_sample() if fps is None else fps
     return Cluster("speeds-1-1-2-4", tuple(
-        Device(f"rank{i}", fps / (K * s * calib["c"]), 8e9, "local",
-               step_overhead_s=K * s * calib["a"]) for i, s in enumerate(SLOWDOWN)), (site,))
+        Device(f"rank{i}", fps / (k * s * calib["c"]), 8e9, "local",
+               step_overhead_s=k * s * calib["a"]) for i, s in enumerate(SLOWDOWN)), (site,))
 
 
 def options_of(calib: dict[str, Any]) -> CostOptions:
@@ -122,13 +130,14 @@ def options_of(calib: dict[str, Any]) -> CostOptions:
                        collective_call_s=calib["call_s"])
 
 
-def calibrate(rank: int, world: int) -> dict[str, Any]:
-    """Rank 0's solo fit and collective fit, broadcast as one float tensor (every rank plans
-    with identical numbers; nothing received is unpickled)."""
+def calibrate(rank: int, world: int,
+              solo: Callable[[], tuple[float, float]] = solo_fit) -> dict[str, Any]:
+    """Rank 0's solo fit (`solo`) and collective fit, broadcast as one float tensor (every
+    rank plans with identical numbers; nothing received is unpickled)."""
     ac = (0.0, 0.0)
     dist.barrier()
     if rank == 0:
-        ac = solo_fit()
+        ac = solo()
     call_s, alpha, beta, factors = fit_collectives(collective_times(world))
     kinds = [k for k, _, _ in factors]
     flat = torch.tensor([*ac, call_s, alpha, beta, *(x for _, fa, fb in factors for x in (fa, fb))],
@@ -235,10 +244,6 @@ def main() -> None:
     write(repeats, args)
 
 
-def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
-
-
 def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
     cmd = " ".join([".venv/bin/python", *sys.argv])
     OUT.mkdir(parents=True, exist_ok=True)
@@ -257,14 +262,14 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
           "against a lone device tuned over batch and lr on held-out seeds.", "",
           "| | measured, median (min-max) | predicted, median |", "|---|---|---|",
           f"| even data parallel over 4 / searched | "
-          f"{_med([s['even_over_searched'] for s in ss])} | "
+          f"{median_range([s['even_over_searched'] for s in ss])} | "
           f"{statistics.median(s['predicted_even_over_searched'] for s in ss):.2f} |",
-          f"| lone fastest device / searched | {_med([s['lone_over_searched'] for s in ss])} | "
+          f"| lone fastest device / searched | {median_range([s['lone_over_searched'] for s in ss])} | "
           f"{statistics.median(s['predicted_lone_over_searched'] for s in ss):.2f} |",
           f"| search without uneven shares / searched | "
-          f"{_med([s['even_only_over_searched'] for s in ss])} | |",
+          f"{median_range([s['even_only_over_searched'] for s in ss])} | |",
           f"| Spearman, predicted vs measured over the plans | "
-          f"{_med([s['spearman'] for s in ss])} | |", "",
+          f"{median_range([s['spearman'] for s in ss])} | |", "",
           "Searched per repeat: " + ", ".join(f"`{s['searched']}`" for s in ss), "",
           "Search without uneven shares per repeat: " + ", ".join(
               f"`{s['searched_even_only']}`" for s in ss), "",

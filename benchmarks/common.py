@@ -80,3 +80,8 @@ def interleaved_steps(steps: int, runs: list[tuple[Callable[[], Any], list[float
             dist.barrier()
             if k >= 2:
                 times.append(time.perf_counter() - t0)
+
+
+def median_range(xs: list[float], spec: str = ".2f") -> str:
+    """"median (min-max)" of per-repeat or per-seed figures, each formatted with `spec`."""
+    return f"{format(statistics.median(xs), spec)} ({format(min(xs), spec)}-{format(max(xs), spec)})"
