@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).parent))
 import autoddl_uneven as uneven
 from autoddl_predicted_vs_measured import M4, M22
-from common import interleaved_steps, pad_overruns, results_dir, spawned_repeats
+from common import interleaved_steps, median_range, pad_overruns, results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster
 from hetrain.parallel.execute import make_executor
@@ -133,20 +134,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--from-json", help="re-write the tables from a results JSON of this "
+                    "benchmark (its repeats and command; no process started)")
     args = ap.parse_args()
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        made = ap.parse_args(shlex.split(data["command"])[2:])
+        write(data["repeats"], made.steps, data["command"],
+              " ".join([".venv/bin/python", *sys.argv]))
+        return
     repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, res: (
         f"searched {summ['searched']!r}: {summ['searched_over_best']:.3f}x the fastest fitting "
         f"({summ['best']!r}), torchtitan-style {summ['torchtitan_over_searched']:.2f}x the "
         f"searched, spearman {summ['spearman']:.2f}, overruns {sum(res['overruns'].values())}"))
-    write(repeats, args)
+    write(repeats, args.steps, " ".join([".venv/bin/python", *sys.argv]))
 
 
-def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f} ({min(xs):.3f}-{max(xs):.3f})"
-
-
-def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    cmd = " ".join([".venv/bin/python", *sys.argv])
+def write(repeats: list[dict[str, Any]], steps: int, cmd: str,
+          rewritten_by: str | None = None) -> None:
+    """The results JSON and table; `rewritten_by`: the --from-json command that re-wrote them
+    from `cmd`'s runs."""
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "autoddl_capped.json").write_text(json.dumps(
         {"command": cmd, "gpt": uneven.GPT, "slowdown": uneven.SLOWDOWN, "k": uneven.K,
@@ -154,21 +161,24 @@ def write(repeats: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ss = [r["summary"] for r in repeats]
     g = uneven.GPT
     tt = "" if ss[0]["torchtitan_fits"] else " (does not fit the caps)"
+    again = f" (tables re-written from its JSON by `{rewritten_by}`)" if rewritten_by else ""
     md = [f"<!-- made by: {cmd} -->",
           "# The searched plan on speeds 1:1:2:4 with memory caps no device meets alone",
-          "", f"Command: `{cmd}`; {len(repeats)} repeat(s), one spawn of 4 gloo processes "
-          f"each; {args.steps} timed AdamW steps per plan (median), steps interleaved; GPT "
+          "", f"Command: `{cmd}`{again}; {len(repeats)} repeat(s), one spawn of 4 gloo processes "
+          f"each; {steps} timed AdamW steps per plan (median), steps interleaved; GPT "
           f"n_layer {g['n_layer']}, n_embd {g['n_embd']}, batch {g['B']} x {g['T']}; compute "
           f"padded to K = {uneven.K} x slowdown x the solo time of this 2-core machine (every "
           "plan; pipeline stages per micro-batch); loopback gloo links; memory caps "
           f"{list(CAPS)} of the whole model's need (devices 0-3). Same global batch and lr for "
-          "every plan: a step-time comparison.", "",
+          "every plan: a step-time comparison, not time to accuracy against the fastest device "
+          "tuned over batch and lr (it does not fit the caps at this batch, and may at a "
+          "smaller one; benchmarks/autoddl_tta.py makes that comparison, without caps).", "",
           "| plans measured (fit) | searched / fastest fitting (target <= 1.10) | "
           "torchtitan-style dp-tp / searched | Spearman (fitting plans) |", "|---|---|---|---|",
           f"| {ss[0]['n_plans']} ({ss[0]['n_fit']}) | "
-          f"{_med([s['searched_over_best'] for s in ss])} | "
-          f"{_med([s['torchtitan_over_searched'] for s in ss])}{tt} | "
-          f"{_med([s['spearman'] for s in ss])} |", "",
+          f"{median_range([s['searched_over_best'] for s in ss], '.3f')} | "
+          f"{median_range([s['torchtitan_over_searched'] for s in ss], '.3f')}{tt} | "
+          f"{median_range([s['spearman'] for s in ss], '.3f')} |", "",
           "Searched per repeat: " + ", ".join(f"`{s['searched']}`" for s in ss), "",
           "Fastest fitting per repeat: " + ", ".join(f"`{s['best']}`" for s in ss), "",
           "Overruns: micro-batches (pipelines) or steps (one-stage plans) x ranks whose real "
