@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -484,3 +485,74 @@ def test_four_ranks_one_killed_only_it_is_named(tmp_path: Path, started) -> None
     assert "stopped: rank 2 (device 'd2') was lost" in last, err
     assert "Traceback" not in err and took < 30, took
     assert not [p for p in ranks if alive(p)]
+
+
+ROOMY_FOUR = ", ".join(f'{{ name = "d{i}", flops = {1e9 * (1 + i // 2)}, memory_bytes = 4000000 }}'
+                      for i in range(4))
+CAPPED_FOUR = ", ".join(f'{{ name = "d{i}", flops = {1e9 * (1 + i // 2)}, memory_bytes = '
+                       f'{450000 if i < 2 else 2000000} }}' for i in range(4))
+
+
+def _rank_that_may_die(rv: Any, cfg: Any, setup: Any, dead: int, results: Any) -> None:
+    """A [parallel] rank: joins the group, then either dies at once (rank `dead`, as a rank
+    OOM-killed while it builds its model would) or trains; puts (rank, outcome, seconds)."""
+    from hetrain.cluster import load_cluster
+    from hetrain.engine import dist as engine
+    from hetrain.parallel.train import train_rank
+    from hetrain.workloads import workload_from_config
+
+    workload = workload_from_config(cfg.workload)
+    store, _, _ = engine.init_process_group(rv, cfg, None)
+    if rv.rank == dead:
+        os._exit(1)
+    t = time.monotonic()
+    try:
+        train_rank(cfg, setup, workload, load_cluster(cfg.cluster), None, store=store)
+        results.put((rv.rank, "trained", time.monotonic() - t))
+    except Exception as e:
+        results.put((rv.rank, f"{type(e).__name__}: {e}", time.monotonic() - t))
+
+
+@pytest.mark.parametrize("devices", [ROOMY_FOUR, CAPPED_FOUR], ids=["mesh", "pipeline"])
+def test_a_rank_lost_before_the_plan_is_set_up_is_named_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, devices: str) -> None:
+    """Rank 2 dies between joining the group and building the plan (a 4-device mesh, or a
+    pipeline of two 2-device stages where two devices are too small for the model): rank 0
+    names it, and the phase, in one line within dist.worker_timeout_s (before: the pipeline's
+    group creation raised gloo's own error; the mesh's loss was named at step 1)."""
+    from hetrain.cluster import load_cluster
+    from hetrain.config import load_config
+    from hetrain.engine import auth
+    from hetrain.engine.dist import Rendezvous
+    from hetrain.engine.spawn import Spawner
+    from hetrain.engine.wire import free_port
+    from hetrain.parallel.train import first_setup
+    from hetrain.workloads import workload_from_config
+
+    monkeypatch.chdir(tmp_path)
+    path = write_config(tmp_path, "lost-setup", parallel='plan = "auto"\ncalibrate = false',
+                        devices=devices)
+    path.write_text(path.read_text().replace("[dist]\n", "[dist]\nworker_timeout_s = 5\n"))
+    cfg = load_config(path)
+    setup = first_setup(cfg, load_cluster(cfg.cluster), workload_from_config(cfg.workload), None)
+    stages = [len(st["devices"]) for st in setup.plan["stages"]]
+    assert stages == ([4] if devices == ROOMY_FOUR else [2, 2]), stages
+    spawner = Spawner()
+    results = spawner.queue()
+    port, secret = free_port(), auth.new_secret()
+    for rank in range(4):
+        spawner.start(_rank_that_may_die,
+                      (Rendezvous(rank, 4, "127.0.0.1", port, secret=secret), cfg, setup, 2,
+                       results), daemon=True)
+    try:
+        got = {}
+        for _ in range(3):
+            rank, outcome, seconds = results.get(timeout=90)
+            got[rank] = (outcome, seconds)
+    finally:
+        spawner.reap(1)
+    outcome, seconds = got[0]
+    assert outcome.startswith("WorkerLostError: run 'lost-setup' stopped: rank 2 (device 'd2') "
+                              "was lost during the set-up of the plan's process groups"), got
+    assert seconds < 30, got
+    assert all(o.startswith("ConnectionLostError") for o, _ in (got[1], got[3])), got

@@ -713,9 +713,16 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     torch.manual_seed(cfg.train.seed)
     model = workload.build_model()
     graph = run_graph(workload, model, batch)
-    ex = build_executor(model, graph, plan, workload, cluster, par.schedule,
-                        cfg.dist.worker_timeout_s,
-                        compute_budget(cfg, cluster, graph, plan, rank))
+    with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
+                                                   "the set-up of the plan's process groups"):
+        # every rank meets here, within dist.worker_timeout_s, before any creates a group:
+        # a rank that died or froze since joining is named in one line (before, a pipeline's
+        # group creation failed with gloo's own error and a traceback)
+        set_timeouts(cfg.dist.worker_timeout_s, default_only=True)
+        dist.barrier()
+        ex = build_executor(model, graph, plan, workload, cluster, par.schedule,
+                            cfg.dist.worker_timeout_s,
+                            compute_budget(cfg, cluster, graph, plan, rank))
     params = ex.parameters()
     from hetrain.engine.core import build_optimizer
 
@@ -735,8 +742,11 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                          cfg.stop.target_accuracy, cfg.stop.target_loss,
                          tensorboard=cfg.train.tensorboard)
     if cfg.train.resume:
-        ck = broadcast_from_rank0(load_checkpoint(run_dir, cfg, setup.plan) if rank == 0
-                                  else None)
+        with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
+                                                       "the loading of the checkpoint"):
+            set_timeouts(cfg.dist.init_timeout_s, default_only=True)  # rank 0 reads the file
+            ck = broadcast_from_rank0(load_checkpoint(run_dir, cfg, setup.plan) if rank == 0
+                                      else None)
         _restore(model, params, opt, ck["model"], ck["states"], ck["groups"])
         meta = ck["meta"]
         step, offset_s, busy = meta["step"], meta["elapsed_s"], meta["busy_s"][rank]
