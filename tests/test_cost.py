@@ -140,3 +140,29 @@ def test_collective_call_cost_is_paid_per_gradient_tensor() -> None:
     rep = plan_cost(g, data_parallel_plan(g, c), c, CostOptions(collective_call_s=0.01))
     assert rep.sync_s == pytest.approx(base.sync_s + 2 * 0.01)  # two weights, no biases
     assert rep.time_s == pytest.approx(base.time_s + 2 * 0.01)
+
+
+@pytest.mark.parametrize("template, mesh", [("dp", Mesh((4,), (0, 1, 2, 3))),
+                                            ("tp", Mesh((4,), (0, 1, 2, 3))),
+                                            ("rep", Mesh((4,), (0, 1, 2, 3))),
+                                            ("dp-tp", Mesh((2, 2), (0, 1, 2, 3))),
+                                            ("mixed", Mesh((4,), (0, 1, 2, 3)))])
+def test_device_work_fraction_is_the_cost_models_compute_share(template: str,
+                                                                mesh: Mesh) -> None:
+    """What speed emulation pads a device to: its compute in the cost model's tables (no
+    per-op overhead, every kind at full speed) over the whole model's on one device."""
+    from hetrain.parallel.execute import resolve_signatures
+    from hetrain.plan.cost import device_work_fraction
+
+    g = gpt_graph(2, 64, 4, 96, 16, 8)
+    plan = template_plan(g, mesh, template)
+    tab = StageTables(g, mesh, homogeneous(4))
+    assign = tab.index_of(plan.stages[0].signatures)
+    alone = StageTables(g, Mesh((1,), (0,)), homogeneous(1))
+    one = alone.index_of(template_plan(g, Mesh((1,), (0,)), "rep").stages[0].signatures)
+    want = (sum(float(tab.compute[i][s]) for i, s in enumerate(assign))
+            / sum(float(alone.compute[i][s]) for i, s in enumerate(one)))
+    got = device_work_fraction(g, mesh.shape, resolve_signatures(g, plan))
+    assert got == pytest.approx(want, rel=1e-12)
+    assert {"dp": got == pytest.approx(0.25), "rep": got == 1.0, "dp-tp": 0.25 <= got < 0.5,
+            "tp": 0.25 < got < 1.0, "mixed": 0.25 <= got < 1.0}[template], got

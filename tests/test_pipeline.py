@@ -78,7 +78,8 @@ def _holders(plan: Plan) -> int:
 def _hold_then_train(rank: int, world: int, run) -> tuple[list[int], list, list]:  # type: ignore[no-untyped-def]
     from hetrain.parallel.runs import plans_worker
 
-    return [_holders(p) for p in run.plans], plans_worker(rank, world, run), _padded(rank)
+    return ([_holders(p) for p in run.plans], plans_worker(rank, world, run), _padded(rank),
+            _padded_tensor_parallel())
 
 
 SLOW_S = 0.2
@@ -120,6 +121,31 @@ def _padded(rank: int) -> list[tuple[float, float, float, float, float]]:
     return out
 
 
+def _padded_tensor_parallel() -> tuple[float, float]:
+    """A one-stage tensor-parallel plan on 4 slow emulated devices: rank 0's second step
+    time, and the emulated time of its part of the batch's work."""
+    import time
+
+    import torch.distributed as dist
+
+    from hetrain.parallel.execute import make_executor, resolve_signatures
+    from hetrain.plan.cost import device_work_fraction
+
+    plan = template_plan(GRAPH, Mesh((4,), (0, 1, 2, 3)), "tp")
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    torch.manual_seed(0)
+    ex = make_executor(build_gpt(), GRAPH, plan, cross_entropy,
+                       compute_budget=lambda n: SLOW_S * n)
+    opt = torch.optim.SGD(ex.parameters(), lr=0.1)
+    ex.step(x, y, opt)
+    dist.barrier()
+    t0 = time.perf_counter()
+    ex.step(x, y, opt)
+    work = device_work_fraction(GRAPH, (4,), resolve_signatures(GRAPH, plan))
+    return time.perf_counter() - t0, SLOW_S * B * work
+
+
 @dataclass(frozen=True)
 class Trained:
     ref: tuple[float, ...]
@@ -130,6 +156,8 @@ class Trained:
     """Parameters each rank holds, per plan of each group: held[group][plan][rank]."""
     padded: list[tuple[float, float, float, float, float]]
     """Rank 0's _padded results."""
+    tensor_parallel_padded: tuple[float, float]
+    """Rank 0's _padded_tensor_parallel result."""
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +178,7 @@ def trained() -> Trained:
         losses[name] = [per_rank[0][1][k + i].losses for i in range(len(group))]
         held[name] = [[per_rank[r][0][k + i] for r in range(4)] for i in range(len(group))]
         k += len(group)
-    return Trained(reference_run(run).losses, losses, held, per_rank[0][2])
+    return Trained(reference_run(run).losses, losses, held, per_rank[0][2], per_rank[0][3])
 
 
 def _trains_like_one_process(trained: Trained, group: str) -> None:
@@ -202,6 +230,18 @@ def test_a_slow_stage_emulated_by_its_compute_budget_paces_the_pipeline(trained:
         assert loss == plain
         assert emulated > 0.4
         assert took >= 0.9 * emulated and took - unpadded >= 0.6 * emulated, (took, emulated)
+
+
+@pytest.mark.dist
+def test_a_tensor_parallel_step_is_padded_to_its_devices_part_of_the_work(
+        trained: Trained) -> None:
+    """Under tensor parallelism on 4 devices each device computes about a quarter of the
+    batch's FLOPs (the unsplit ops whole), and the emulation pads it to that, as the cost
+    model prices it; it used to pad every device to the whole batch's time (4x too slow)."""
+    took, emulated = trained.tensor_parallel_padded
+    whole = SLOW_S * B
+    assert 0.25 * whole < emulated < 0.3 * whole
+    assert emulated <= took < 0.6 * whole, (took, emulated)
 
 
 def _refusal(plan, model=None) -> str:  # type: ignore[no-untyped-def]

@@ -89,7 +89,7 @@ class Device:
         check_number(f"device '{self.name}': step_overhead_s", self.step_overhead_s,
                      non_negative())
 
-    def compute_time_s(self, samples: int, flops_per_sample: float, steps: int = 1) -> float:
+    def compute_time_s(self, samples: float, flops_per_sample: float, steps: int = 1) -> float:
         """Time to run `steps` optimizer steps over `samples` samples in total."""
         return steps * self.step_overhead_s + samples * flops_per_sample / self.flops
 

@@ -221,9 +221,9 @@ class DistConfig:
     light)."""
     emulate: str = "cluster"
     """none | cluster (pad compute and links to the Cluster's times) | relative (K x slowdown x
-    the measured solo step time). [parallel] runs: cluster pads each rank's compute (a
-    pipeline stage's per micro-batch, to its share of the model; links are real); relative
-    is refused."""
+    the measured solo step time). [parallel] runs: cluster pads each rank's compute to the
+    work the plan gives its device (a pipeline stage's per micro-batch; links are real);
+    relative is refused."""
     time_scale: float = 1.0
     """Emulated seconds per cluster-model second (e.g. 0.25 runs the cluster 4x faster)."""
     contention_k: float = 3.0

@@ -24,7 +24,6 @@ the executor a plan needs.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -47,7 +46,7 @@ from hetrain.cluster import Cluster, homogeneous
 from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
 from hetrain.parallel.sdpa import register_cpu_sdpa_sharding
-from hetrain.plan.cost import Plan
+from hetrain.plan.cost import Plan, device_work_fraction
 from hetrain.plan.graph import LayerGraph, Op
 from hetrain.plan.sbp import (
     B,
@@ -129,11 +128,14 @@ def _param_placements(op: Op, sig: NdSignature, pname: str) -> list[Placement]:
     return [Shard(0) if s == Split(0) and op.kind in ("linear", "conv") else Replicate() for s in w]
 
 
-ComputeBudget = Callable[[int], float]
+ComputeBudget = Callable[[float], float]
 """Speed emulation (`hetrain run`'s dist.emulate, benchmarks): seconds the emulated device
-takes for the forward and backward of this many local samples; the executor sleeps until then before the gradient
-synchronisation, so a slower device delays its gradients as it would (hetrain.engine.emulate's
-budget padding)."""
+takes for the forward and backward of this many samples of the whole model; the executor
+sleeps until then before the gradient synchronisation, so a slower device delays its
+gradients as it would (hetrain.engine.emulate's budget padding). An executor asks for the
+work its device does under the plan (cost.device_work_fraction of the batch: its share of
+a data-parallel batch, the whole batch's unsplit ops under tensor parallelism), the work the
+cost model prices."""
 
 
 class Padding:
@@ -143,7 +145,7 @@ class Padding:
     def __init__(self, budget: ComputeBudget | None):
         self.budget, self.overruns = budget, 0
 
-    def __call__(self, start: float, samples: int) -> None:
+    def __call__(self, start: float, samples: float) -> None:
         if self.budget is None:
             return
         if sleep_until(start + self.budget(samples)) == 0.0:
@@ -169,9 +171,7 @@ class PlanExecutor:
                               f"{plan.stages[0].mesh.shape}")
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.pad = Padding(compute_budget)
-        first = self.sigs[graph.ops[0].name].ins(0)
-        self.batch_split = math.prod(n for n, s in zip(mesh.shape, first, strict=True)
-                                     if s == Split(0))
+        self.work = device_work_fraction(graph, tuple(mesh.shape), self.sigs)
         ops = {op.name: op for op in graph.ops}
         self.loss_sig = self.sigs[graph.ops[-1].name] if graph.ops[-1].kind == "cross_entropy" else None
         self._hooks = []
@@ -228,7 +228,7 @@ class PlanExecutor:
         with self.loss_context():
             loss = self.loss(self.model(x), y)
             loss.backward()
-        self.pad(start, x.shape[0] // self.batch_split)
+        self.pad(start, x.shape[0] * self.work)  # this device's part of the batch's work
         self.sync_grads()
         return loss
 

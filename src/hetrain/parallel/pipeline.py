@@ -24,8 +24,10 @@ has the same size.
 
 Speed emulation (`compute_budget`, as the one-stage executors take it: this rank's device's
 forward + backward time for n samples of the whole model): a rank pads its stage's work per
-micro-batch to its device's share, the stage's fraction of the model's training FLOPs over its
-devices (StagePadding), so a pipeline on one machine paces like the cluster file's devices.
+micro-batch to its device's share: the stage's fraction of the model's training FLOPs, of
+which the device computes what the stage's signatures give it (cost.device_work_fraction: half
+on a 2-device data-parallel stage, all of it on a replicated one), so a pipeline on one machine
+paces like the cluster file's devices and the cost model's prices (StagePadding).
 """
 
 from __future__ import annotations
@@ -49,8 +51,13 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
-from hetrain.parallel.execute import ComputeBudget, PlanExecutor
-from hetrain.plan.cost import Plan, stage_graphs, training_flops_per_sample
+from hetrain.parallel.execute import ComputeBudget, PlanExecutor, resolve_signatures
+from hetrain.plan.cost import (
+    Plan,
+    device_work_fraction,
+    stage_graphs,
+    training_flops_per_sample,
+)
 from hetrain.plan.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -247,7 +254,7 @@ class StagePadding:
     def start_step(self) -> None:
         self.first = True
 
-    def __call__(self, start: float, samples: int, out: Tensor) -> None:
+    def __call__(self, start: float, samples: float, out: Tensor) -> None:
         total = samples * self.per_sample_s + (self.overhead_s if self.first else 0.0)
         self.first = False
         forward = time.perf_counter() - start
@@ -349,9 +356,12 @@ class PipelineExecutor:
         mesh = meshes[s]
         a, b = stage_graphs(graph, plan)[s]
         pad = None
-        if compute_budget is not None:  # this rank's share: the stage's FLOPs over its devices
-            share = training_flops_per_sample(graph.subgraph(a, b)) / training_flops_per_sample(graph)
-            pad = StagePadding(compute_budget, share / d)
+        if compute_budget is not None:  # this rank's share of the model's work in its stage
+            sub = graph.subgraph(a, b)
+            share = training_flops_per_sample(sub) / training_flops_per_sample(graph)
+            named = resolve_signatures(sub, Plan(plan.graph, (plan.stages[s],)))
+            pad = StagePadding(compute_budget, share * device_work_fraction(
+                sub, plan.stages[s].mesh.shape, named))
         self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last, pad=pad)
         if mesh is not None:
             self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),

@@ -345,7 +345,7 @@ def emulation(cfg: RunConfig, plan: Plan) -> str:
 
 
 def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Plan,
-                   rank: int) -> Callable[[int], float] | None:
+                   rank: int) -> Callable[[float], float] | None:
     """dist.emulate = "cluster": this rank's forward + backward of n local samples is padded
     to the time its cluster device takes (step_overhead_s + n x the cost model's FLOPs per
     sample / flops, x dist.time_scale), as the strategies' real engine pads its tasks, so a
@@ -360,7 +360,7 @@ def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Pl
 
 def build_executor(model: nn.Module, graph: LayerGraph, plan: Plan, workload: Workload,
                    cluster: Cluster, schedule: str, timeout_s: float | None = None,
-                   budget: Callable[[int], float] | None = None) -> Any:
+                   budget: Callable[[float], float] | None = None) -> Any:
     """This rank's executor (call on every rank: meshes and groups are collective). Rank r
     is cluster device r: a stage runs on the devices the plan sized it for, ranks the plan
     leaves out idle (execute.make_executor). `timeout_s`: a pipeline's P2P receive timeout

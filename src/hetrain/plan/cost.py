@@ -41,6 +41,7 @@ import json
 import math
 import sys
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -578,6 +579,23 @@ def training_flops_per_sample(graph: LayerGraph) -> float:
     """FLOPs of one sample's forward and backward as the cost model counts them (3x the
     forward for ops with weights: data and weight gradients; 2x for the others)."""
     return sum((3.0 if op.weight_shape else 2.0) * op.flops for op in graph.ops) / graph.batch
+
+
+def device_work_fraction(graph: LayerGraph, mesh_shape: tuple[int, ...],
+                         signatures: Mapping[str, NdSignature]) -> float:
+    """The share of `graph`'s training FLOPs that one device of a mesh of `mesh_shape`
+    computes under `signatures` (op name -> signature): the cost model's compute term, each
+    op's FLOPs over the mesh axes its signature splits. 1/d for data parallelism on d
+    devices; more under tensor parallelism, whose unsplit ops every device runs whole; 1
+    for a replicated plan. What speed emulation pads a device's step to (parallel.execute,
+    parallel.pipeline), so the emulated devices do the work the model priced."""
+    total = mine = 0.0
+    for op in graph.ops:
+        work = (3.0 if op.weight_shape else 2.0) * op.flops
+        axes = signatures[op.name].axes
+        total += work
+        mine += work / math.prod(p for p, a in zip(mesh_shape, axes, strict=True) if a.split)
+    return mine / total if total > 0 else 1.0
 
 
 def micro_memory(tab: StageTables, m: int) -> list[np.ndarray]:
