@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hetrain.cluster import homogeneous, preset
 from hetrain.errors import ConfigError
@@ -80,9 +82,11 @@ def test_pipeline_bubble() -> None:
     plan = Plan(g.name, (StagePlan(Mesh((2,), (0, 1)), names[:k], ("dp",) * k),
                          StagePlan(Mesh((2,), (2, 3)), names[k:], ("dp",) * (len(names) - k))), 4)
     rep = plan_cost(g, plan, c)
-    slot = rep.bubble_s / (2 - 1)
-    assert rep.time_s == pytest.approx((4 + 2 - 1) * slot + rep.sync_s + c.devices[0].step_overhead_s)
-    assert rep.bubble_s > 0
+    first, second = rep.stage_s
+    assert first < second  # one block's attention half | the rest
+    assert rep.bubble_s == pytest.approx(first)  # not (k - 1) x the slowest
+    assert rep.time_s == pytest.approx(first + 4 * second + rep.sync_s
+                                       + c.devices[0].step_overhead_s)
     with pytest.raises(ConfigError, match="divisible"):
         plan_cost(g, dataclasses.replace(plan, n_micro=3), c)
 
@@ -166,3 +170,30 @@ def test_device_work_fraction_is_the_cost_models_compute_share(template: str,
     assert got == pytest.approx(want, rel=1e-12)
     assert {"dp": got == pytest.approx(0.25), "rep": got == 1.0, "dp-tp": 0.25 <= got < 0.5,
             "tp": 0.25 < got < 1.0, "mixed": 0.25 <= got < 1.0}[template], got
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 10.0), min_size=1, max_size=6), st.integers(1, 16),
+       st.floats(1.0, 3.0))
+def test_pipeline_time_is_gpipes_schedule_simulated(stage_s: list[float], n_micro: int,
+                                                    backward: float) -> None:
+    """pipeline_time_s against GPipe simulated op by op: micro-batch i's forward on stage s
+    starts when it left stage s-1 and stage s finished micro-batch i-1; the backwards run in
+    reverse stage order once the last forward is done (a backward `backward` x its forward)."""
+    from hetrain.plan.cost import pipeline_time_s
+
+    k = len(stage_s)
+    f = [t / (1 + backward) for t in stage_s]
+    b = [t - x for t, x in zip(stage_s, f, strict=True)]
+    done = [[0.0] * (n_micro + 1) for _ in range(k + 1)]  # done[s+1][i+1]: forward end
+    for s in range(k):
+        for i in range(n_micro):
+            done[s + 1][i + 1] = max(done[s][i + 1], done[s + 1][i]) + f[s]
+    back = [[0.0] * (n_micro + 1) for _ in range(k + 1)]  # stage k-1-s, backward of i
+    start = done[k][n_micro]
+    for s in range(k):
+        stage = k - 1 - s
+        for i in range(n_micro):
+            ready = start if s == 0 else back[s][i + 1]
+            back[s + 1][i + 1] = max(ready, back[s + 1][i], start) + b[stage]
+    assert back[k][n_micro] == pytest.approx(pipeline_time_s(stage_s, n_micro))

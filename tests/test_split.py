@@ -102,10 +102,46 @@ def test_min_max_split_with_transfers_and_memory_caps_is_the_brute_force_optimum
     assert all(sum(memory[s][bounds[s]:bounds[s + 1]]) <= caps[s] for s in range(len(costs)))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4).flatmap(lambda k: st.tuples(
+    st.lists(st.lists(st.floats(0.0, 10.0), min_size=7, max_size=7), min_size=k, max_size=k),
+    st.lists(st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8), min_size=k, max_size=k),
+    st.lists(st.lists(st.integers(0, 4 << 30), min_size=7, max_size=7), min_size=k, max_size=k),
+    st.lists(st.integers(0, 20 << 30), min_size=k, max_size=k),
+    st.integers(k, 7), st.sets(st.integers(1, 6)), st.integers(2, 16))))
+def test_split_for_n_micro_batches_is_the_brute_force_optimum(case) -> None:  # type: ignore[no-untyped-def]
+    """With n_micro, the split minimises the pipeline's time, the stages' sum plus n_micro - 1
+    times the slowest (cost.pipeline_time_s), over every split within the caps."""
+    from hetrain.plan.cost import pipeline_time_s
+
+    rows, sends, mems, caps, n, starts, m = case
+    costs, memory = [r[:n] for r in rows], [r[:n] for r in mems]
+    send = [[*r[:n], 0.0] for r in sends]
+    k = len(costs)
+
+    def stages(b: list[int]) -> list[float]:
+        return [sum(costs[s][b[s]:b[s + 1]]) + send[s][b[s + 1]] for s in range(k)]
+
+    splits = [[0, *cut, n] for cut in itertools.combinations(sorted(starts & set(range(1, n))),
+                                                             k - 1)]
+    fit = [b for b in splits if all(sum(memory[s][b[s]:b[s + 1]]) <= caps[s] for s in range(k))]
+    if not fit:
+        with pytest.raises(ConfigError, match="cannot split"):
+            min_max_split(costs, starts, send=send, memory=memory, caps=caps, n_micro=m)
+        return
+    want = min(pipeline_time_s(stages(b), m) for b in fit)
+    bounds, slowest = min_max_split(costs, starts, send=send, memory=memory, caps=caps,
+                                    n_micro=m)
+    assert bounds in fit
+    assert pipeline_time_s(stages(bounds), m) == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert slowest == pytest.approx(max(stages(bounds)))
+
+
 def test_cost_model_prices_an_uneven_split_per_stage_device() -> None:
     """One-device stages on devices of different speeds: each stage's micro-batch time is its
     ops' compute on its own device plus the boundary activation and gradient over the link;
-    the pipeline takes (m + k - 1) x the slowest stage (the bubble is k - 1 of them)."""
+    the pipeline takes the stages' sum plus m - 1 times the slowest (the bubble is the sum
+    less the slowest)."""
     g = gpt_graph(2, 64, 4, 128, 32, 16)
     cl = dataclasses.replace(cluster_of((1e9, 4e9, 2e9)), devices=tuple(
         dataclasses.replace(d, step_overhead_s=0.003) for d in cluster_of((1e9, 4e9, 2e9)).devices))
@@ -117,8 +153,9 @@ def test_cost_model_prices_an_uneven_split_per_stage_device() -> None:
              + (2 * (link.latency_s + micro.ops[b - 1].out_bytes / link.bandwidth_Bps) if s < k - 1 else 0.0)
              for s, (a, b) in enumerate(itertools.pairwise(bounds))]
     rep = plan_cost(g, plan, cl)
-    assert rep.time_s == pytest.approx((m + k - 1) * max(stage) + 0.003, rel=1e-9)
-    assert rep.bubble_s == pytest.approx((k - 1) * max(stage), rel=1e-9)
+    assert rep.time_s == pytest.approx(sum(stage) + (m - 1) * max(stage) + 0.003, rel=1e-9)
+    assert rep.bubble_s == pytest.approx(sum(stage) - max(stage), rel=1e-9)
+    assert rep.stage_s == pytest.approx(stage, rel=1e-9)
     assert rep.sync_s == 0.0
     faster = pipeline_plan(g, bounds, [Mesh((1,), (d,)) for d in (1, 0, 2)], m)  # fast device first
     assert plan_cost(g, faster, cl).time_s != pytest.approx(rep.time_s)

@@ -25,9 +25,12 @@ memory_bytes, or the plan is infeasible.
 
 Pipelines (GPipe): k stages on disjoint meshes, m micro-batches of batch/m. A stage's
 micro-batch time t_s (its own formula above at batch/m, plus sending the boundary activation
-and its gradient over the slowest link to the next stage) repeats m times, and the last
-micro-batch leaves the pipe k-1 slots after the first: T = (m + k - 1) max_s t_s + max_s
-sync_s, i.e. a bubble of (k-1) max_s t_s. All m micro-batches' activations stay in memory.
+and its gradient over the slowest link to the next stage) repeats m times: the first
+micro-batch passes every stage, the other m - 1 follow at the slowest stage's pace, forward
+and backward alike: T = sum_s t_s + (m - 1) max_s t_s + max_s sync_s, a bubble of
+sum_s t_s - max_s t_s ((k - 1) t for k equal stages; less when the stages are uneven, which
+(m + k - 1) max_s t_s over-priced by up to a third at m = 2). All m micro-batches'
+activations stay in memory.
 
 Uneven data parallelism (StagePlan.shares, one-stage plans): row j of mesh axis 0 computes its
 own share b_j of the batch on its own devices (its formula above at b_j, on the row's
@@ -275,6 +278,8 @@ class CostReport:
     """Largest per-device memory over the plan's stages."""
     memory_limit_bytes: float
     ops: tuple[OpCost, ...]
+    stage_s: tuple[float, ...] = ()
+    """A pipeline's per-stage micro-batch times (pipeline_time_s); empty for one stage."""
 
     @property
     def feasible(self) -> bool:
@@ -489,11 +494,19 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
         limits.append(tab.memory_limit_bytes)
         overheads.append(tab.overhead_s)
         ops += oc
-    slowest = max(stage_t)
-    time_s = (m + k - 1) * slowest + max(syncs) + max(overheads)
+    time_s = pipeline_time_s(stage_t, m) + max(syncs) + max(overheads)
     worst = max(range(k), key=lambda j: mems[j] - limits[j])
     return CostReport(time_s, sum(o.compute_s for o in ops) * m, sum(o.comm_s for o in ops) * m,
-                      max(syncs), (k - 1) * slowest, mems[worst], limits[worst], tuple(ops))
+                      max(syncs), sum(stage_t) - max(stage_t), mems[worst], limits[worst],
+                      tuple(ops), tuple(stage_t) if k > 1 else ())
+
+
+def pipeline_time_s(stage_s: list[float], n_micro: int) -> float:
+    """GPipe's (and 1F1B's) forward and backward over n_micro micro-batches whose time on
+    stage s is stage_s[s]: the first micro-batch passes every stage, the others follow at the
+    slowest stage's pace (a flow shop of identical jobs; exact when a stage's backward takes a
+    fixed multiple of its forward)."""
+    return sum(stage_s) + (n_micro - 1) * max(stage_s)
 
 
 def row_tables(graph: LayerGraph, row: tuple[int, ...], share: float, cluster: Cluster,

@@ -258,8 +258,9 @@ def _balanced_bounds(graph: LayerGraph, capacity: list[float]) -> list[int] | No
 
 def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: int,
                   cost_options: CostOptions | None) -> list[int] | None:
-    """Stage bounds minimising the slowest stage's micro-batch time as the cost model prices
-    it for data-parallel stages (per-op compute on that stage's devices at their slowest
+    """Stage bounds minimising the pipeline's time over m micro-batches (the stages' sum plus
+    m - 1 times the slowest, cost.pipeline_time_s) as the cost model prices each stage's
+    micro-batch for data-parallel stages (per-op compute on that stage's devices at their slowest
     member's speed, the boundary activation and gradient over the link to the next stage),
     each stage within its devices' memory cap (with m micro-batches' activations): a stage on
     devices with less room gets fewer or lighter layers. If no split fits data parallel, the
@@ -289,7 +290,8 @@ def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: in
         send.append(row)
     for memory in (dp_mem, lean_mem):
         try:
-            return min_max_split(costs, starts, send=send, memory=memory, caps=caps)[0]
+            return min_max_split(costs, starts, send=send, memory=memory, caps=caps,
+                                 n_micro=m)[0]
         except ConfigError:
             continue
     # nothing fits: the split with the least excess over a cap (what the error will report)
