@@ -1,12 +1,14 @@
 """Pipeline stage boundaries by device speed: a slower device gets fewer layers.
 
 A GPipe iteration takes the sum of its stages' times per micro-batch plus n_micro - 1 times
-the slowest one's (cost.pipeline_time_s): after the first micro-batch, the slowest stage paces
-every other, so the split of the ops over k devices (in pipeline order) minimises the slowest
-stage (the search then prices the whole formula). With per-op times that depend on the device (the cost model's compute term: o_k + c x
-flops / speed), that is a min-max partition, solved exactly by dynamic programming over
-contiguous ranges in O(k n^2). Only compute is balanced: the boundary transfer is the same
-whichever device sends it, and the search prices it afterwards (cost.plan_cost).
+the slowest one's (cost.pipeline_time_s): after the first micro-batch the slowest stage paces
+every other. With per-op times that depend on the device (the cost model's compute term: o_k
++ c x flops / speed), the split of the ops over k devices (in pipeline order) minimising that
+time is found exactly by dynamic programming over contiguous op ranges (over the (slowest,
+sum) pairs no other beats in both); with one micro-batch, or where only the balance matters
+(a FLOP-proportional split), the min-max partition, exactly and in O(k n^2). Only compute is
+balanced by speed_split: the boundary transfer is the same whichever device sends it, and
+the search prices it afterwards (cost.plan_cost).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def min_max_split(costs: Sequence[Sequence[float]], starts: Collection[int] | No
     [b_s, b_s+1) and taking sum(costs[s][b_s:b_s+1]) + send[s][b_s+1]; with n_micro > 1,
     minimising the pipeline's time over that many micro-batches instead, the stages' sum
     plus n_micro - 1 times the slowest (cost.pipeline_time_s; a dynamic programme over the
-    (slowest, sum) pairs no other pair beats in both).
+    (slowest, sum) pairs no other pair beats in both). With one micro-batch nothing overlaps
+    and the sum alone would crowd the fastest device; the min-max split keeps the stages
+    balanced.
 
     costs[s][i] is the time of op i on stage s's devices (k rows of n ops); send[s][j] (k rows
     of n + 1, optional) is stage s's extra time when it ends before op j (passing the boundary
