@@ -27,11 +27,16 @@ SMOKE_SET = ["--set", "stop.max_epochs=0.05", "--set", "strategy.local_steps=2",
 
 
 def run(args: list[str], cwd: Path = ROOT) -> str:
+    return run_both(args, cwd)[0]
+
+
+def run_both(args: list[str], cwd: Path = ROOT) -> tuple[str, str]:
+    """stdout and stderr of a command that must succeed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     p = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=TIMEOUT_S)
     assert p.returncode == 0, f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
-    return p.stdout
+    return p.stdout, p.stderr
 
 
 def assert_tidy(out: str) -> None:
@@ -182,10 +187,13 @@ def test_07_autoddl_plan_gives_faster_devices_more_samples(tmp_path):
                               "--batch", "8", *GPT_OPTIONS, "--json"]))
     assert planned["plan"]["stages"][0]["shares"] == [1, 1, 2, 4]
     runs = tmp_path / "runs"
-    out = run(["-m", "hetrain", "run", str(AUTODDL / "run.toml"), "--runs-dir", str(runs),
-               "--no-plot", "--set", "stop.max_epochs=0.1"])
+    out, err = run_both(["-m", "hetrain", "run", str(AUTODDL / "run.toml"), "--runs-dir",
+                         str(runs), "--no-plot", "--set", "stop.max_epochs=0.1"])
     assert ("autoddl-lab: plan mesh 4 on devices [0, 1, 2, 3], batch shares [1, 1, 2, 4]"
             in " ".join(out.split()))  # the console may wrap the line
+    # the calibration times gloo's all-to-all fallback and the 2-D all-reduce on purpose:
+    # DTensor's warnings about them (8 lines on 4 ranks) are not the run's problems
+    assert "falling back" not in err and "suboptimal" not in err, err
     summary = json.loads((runs / "autoddl-lab" / "summary.json").read_text())
     par = summary["parallel"]
     assert par["layout"] == "mesh 4 on devices [0, 1, 2, 3], batch shares [1, 1, 2, 4]"

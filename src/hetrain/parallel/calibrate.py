@@ -28,11 +28,13 @@ calibration.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -245,11 +247,37 @@ def _matmul_flops(seconds: float) -> float:
     return 2.0 * 512 * 128 * 512 * n / (time.perf_counter() - t0)
 
 
+TIMED_ON_PURPOSE = ("torch.distributed.tensor._collective_utils",
+                    "torch.distributed.tensor._redistribute")
+"""DTensor's loggers for what the calibration times on purpose: gloo's all-to-all fallback (an
+all-gather and a chunk) and the both-axes all-reduce of a 2-D mesh run one axis at a time.
+Their warnings ("suboptimal", "falling back"), once per rank, would read as faults of the run."""
+
+
+@contextlib.contextmanager
+def quiet_timed_paths() -> Iterator[None]:
+    """Mute TIMED_ON_PURPOSE's warnings (errors still show) while calibrating."""
+    loggers = [logging.getLogger(name) for name in TIMED_ON_PURPOSE]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def calibrate(quick: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
     """Microbenchmarks on every rank of the default group (collective: every rank calls);
     returns rank 0's figures on every rank, plain data (JSON-able): flops, call_s, alpha_s,
     beta_Bps, factors, op_overhead_s, kind_speed, collective_rows, seconds. `timeout_s`: how
     long a collective of the groups it creates waits for a peer (gloo's default: 30 min)."""
+    with quiet_timed_paths():
+        return _calibrate(quick, timeout_s)
+
+
+def _calibrate(quick: bool, timeout_s: float | None) -> dict[str, Any]:
     from hetrain.parallel.train import broadcast_from_rank0
 
     t0 = time.perf_counter()
