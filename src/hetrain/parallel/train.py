@@ -346,11 +346,12 @@ def emulation(cfg: RunConfig, plan: Plan) -> str:
 
 def compute_budget(cfg: RunConfig, cluster: Cluster, graph: LayerGraph, plan: Plan,
                    rank: int) -> Callable[[float], float] | None:
-    """dist.emulate = "cluster": this rank's forward + backward of n local samples is padded
-    to the time its cluster device takes (step_overhead_s + n x the cost model's FLOPs per
-    sample / flops, x dist.time_scale), as the strategies' real engine pads its tasks, so a
-    run on one machine paces like the cluster file; the planner priced the same figures.
-    A pipeline stage pads each micro-batch to its share (pipeline.StagePadding)."""
+    """dist.emulate = "cluster": this rank's forward + backward is padded to the time its
+    cluster device takes for n samples' worth of the whole model's work (step_overhead_s + n x
+    the cost model's FLOPs per sample / flops, x dist.time_scale), n being what the plan gives
+    the device (cost.device_work_fraction of the batch), as the strategies' real engine pads
+    its tasks, so a run on one machine paces like the cluster file; the planner priced the
+    same figures. A pipeline stage pads each micro-batch (pipeline.StagePadding)."""
     if emulation(cfg, plan) != "cluster":
         return None
     device, scale = cluster.devices[rank], cfg.dist.time_scale
