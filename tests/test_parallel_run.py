@@ -138,6 +138,7 @@ def test_auto_plan_trains_where_the_small_device_cannot_hold_the_model(auto_run:
     reported = json.loads(capsys.readouterr().out)
     assert reported["runs"][0]["strategy"] == "parallel"
     assert reported["runs"][0]["final_accuracy"] == pytest.approx(got[-1]["test_accuracy"])
+    assert reported["runs"][0]["gbytes_moved"] is None  # not measured: "-", not 0.000
 
 
 def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ def comparison_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
         base = next((q for q in same if q.summary.get("strategy") == "ddp"), same[0])
         base_tta = base.summary.get("tta_s")
         tta = s.get("tta_s")
+        par = s.get("parallel")
+        unmeasured = isinstance(par, dict) and par.get("bytes_measured") is False
         rows.append({
             "run": r.name, "strategy": s.get("strategy"), "engine": s.get("engine"),
             "cluster": s.get("cluster"), "tta_s": tta,
@@ -28,7 +30,7 @@ def comparison_rows(runs: list[RunResult]) -> list[dict[str, Any]]:
             "final_accuracy": s.get("final_accuracy"), "best_accuracy": s.get("best_accuracy"),
             "epochs": s.get("epochs"), "time_s": s.get("time_s"),
             "hardware_efficiency": s.get("hardware_efficiency"),
-            "gbytes_moved": s.get("bytes_total", 0) / 1e9,
+            "gbytes_moved": None if unmeasured else s.get("bytes_total", 0) / 1e9,
         })
     return rows
 
