@@ -141,6 +141,27 @@ def test_auto_plan_trains_where_the_small_device_cannot_hold_the_model(auto_run:
     assert reported["runs"][0]["gbytes_moved"] is None  # not measured: "-", not 0.000
 
 
+def test_hetrain_plan_prints_each_pipeline_stage_s_time() -> None:
+    """`hetrain plan`'s layout of a pipeline says how long each stage takes per micro-batch
+    (so a user sees how balanced the stages are) and the bubble, the first stage's time here."""
+    from hetrain.cluster import Cluster, Device, Link, Site
+    from hetrain.parallel.cli_plan import _layout
+    from hetrain.plan.cost import plan_cost
+    from hetrain.plan.split import speed_split
+
+    site = Site("s", Link(1e9, 1e-4), Link(1e9, 1e-4))
+    cluster = Cluster("c", (Device("slow", 1e9, site="s"), Device("fast", 4e9, site="s")),
+                      (site,))
+    graph = gpt_graph(2, 32, 2, 64, 32, 8)
+    plan = speed_split(graph, cluster, (0, 1), n_micro=4)
+    rep = plan_cost(graph, plan, cluster)
+    first, second = rep.stage_s
+    assert _layout(plan, rep) == (
+        f"mesh 1 on devices [0] | mesh 1 on devices [1], 4 micro-batches of "
+        f"{first * 1e3:.3g} | {second * 1e3:.3g} ms per stage (bubble {rep.bubble_s:.3g} s)")
+    assert rep.bubble_s == pytest.approx(min(first, second))
+
+
 def test_plan_file_from_hetrain_plan_out_runs(auto_run: Path, tmp_path: Path) -> None:
     write_config(tmp_path, "unused")
     plan_file = tmp_path / "plan.json"

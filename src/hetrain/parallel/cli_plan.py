@@ -234,5 +234,8 @@ def _layout(plan: Any, rep: CostReport) -> str:
                         + (f", batch shares {list(st.shares)} (uneven data parallel: per "
                            "index of mesh axis 0, by speed and memory)" if st.shares else "")
                         for st in plan.stages)
-    return stages + (f", {plan.n_micro} micro-batches (bubble {rep.bubble_s:.3g} s)"
-                     if len(plan.stages) > 1 else "")
+    if len(plan.stages) == 1:
+        return stages
+    per_stage = " | ".join(f"{t * 1e3:.3g}" for t in rep.stage_s)
+    return (stages + f", {plan.n_micro} micro-batches of {per_stage} ms per stage "
+            f"(bubble {rep.bubble_s:.3g} s)")
