@@ -78,13 +78,20 @@ def _brute_force_full(costs, send, memory, caps, starts):  # type: ignore[no-unt
     return best
 
 
+def _split_cases(k: int, *extra: st.SearchStrategy) -> st.SearchStrategy:  # type: ignore[type-arg]
+    """k stages of 7 ops: per-op times, per-boundary transfers, whole-byte memories, caps,
+    the op count, the allowed starts, then `extra`."""
+    return st.tuples(
+        st.lists(st.lists(st.floats(0.0, 10.0), min_size=7, max_size=7), min_size=k, max_size=k),
+        st.lists(st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8), min_size=k, max_size=k),
+        st.lists(st.lists(st.integers(0, 4 << 30), min_size=7, max_size=7), min_size=k,
+                 max_size=k),
+        st.lists(st.integers(0, 20 << 30), min_size=k, max_size=k),
+        st.integers(k, 7), st.sets(st.integers(1, 6)), *extra)
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.integers(1, 4).flatmap(lambda k: st.tuples(
-    st.lists(st.lists(st.floats(0.0, 10.0), min_size=7, max_size=7), min_size=k, max_size=k),
-    st.lists(st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8), min_size=k, max_size=k),
-    st.lists(st.lists(st.integers(0, 4 << 30), min_size=7, max_size=7), min_size=k, max_size=k),
-    st.lists(st.integers(0, 20 << 30), min_size=k, max_size=k),
-    st.integers(k, 7), st.sets(st.integers(1, 6)))))
+@given(st.integers(1, 4).flatmap(_split_cases))
 def test_min_max_split_with_transfers_and_memory_caps_is_the_brute_force_optimum(case) -> None:  # type: ignore[no-untyped-def]
     """Memory in whole bytes (as the cost model counts them): the caps are hard limits, and
     prefix sums of whole numbers are exact."""
@@ -103,12 +110,7 @@ def test_min_max_split_with_transfers_and_memory_caps_is_the_brute_force_optimum
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4).flatmap(lambda k: st.tuples(
-    st.lists(st.lists(st.floats(0.0, 10.0), min_size=7, max_size=7), min_size=k, max_size=k),
-    st.lists(st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8), min_size=k, max_size=k),
-    st.lists(st.lists(st.integers(0, 4 << 30), min_size=7, max_size=7), min_size=k, max_size=k),
-    st.lists(st.integers(0, 20 << 30), min_size=k, max_size=k),
-    st.integers(k, 7), st.sets(st.integers(1, 6)), st.integers(2, 16))))
+@given(st.integers(1, 4).flatmap(lambda k: _split_cases(k, st.integers(2, 16))))
 def test_split_for_n_micro_batches_is_the_brute_force_optimum(case) -> None:  # type: ignore[no-untyped-def]
     """With n_micro, the split minimises the pipeline's time, the stages' sum plus n_micro - 1
     times the slowest (cost.pipeline_time_s), over every split within the caps."""
