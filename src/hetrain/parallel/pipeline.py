@@ -51,13 +51,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
-from hetrain.parallel.execute import ComputeBudget, PlanExecutor, resolve_signatures
-from hetrain.plan.cost import (
-    Plan,
-    device_work_fraction,
-    stage_graphs,
-    training_flops_per_sample,
-)
+from hetrain.parallel.execute import ComputeBudget, PlanExecutor
+from hetrain.plan.cost import Plan, stage_graphs, training_flops_per_sample
 from hetrain.plan.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -355,17 +350,15 @@ class PipelineExecutor:
         self.first, self.last = s == 0, s == k - 1
         mesh = meshes[s]
         a, b = stage_graphs(graph, plan)[s]
-        pad = None
-        if compute_budget is not None:  # this rank's share of the model's work in its stage
-            sub = graph.subgraph(a, b)
-            share = training_flops_per_sample(sub) / training_flops_per_sample(graph)
-            named = resolve_signatures(sub, Plan(plan.graph, (plan.stages[s],)))
-            pad = StagePadding(compute_budget, share * device_work_fraction(
-                sub, plan.stages[s].mesh.shape, named))
-        self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last, pad=pad)
+        self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last)
         if mesh is not None:
             self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
                                      Plan(plan.graph, (plan.stages[s],)), mesh, loss_fn)
+        if compute_budget is not None:  # this rank's share of the model's work in its stage
+            share = (training_flops_per_sample(graph.subgraph(a, b))
+                     / training_flops_per_sample(graph))
+            work = self.spmd.work if self.spmd is not None else 1.0  # one device: all of it
+            self.module.pad = StagePadding(compute_budget, share * work)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
         # stage t's peer in group j is device j of stage t (the group orders ranks, not stages)
         stage.stage_index_to_group_rank = {t: dist.get_group_rank(p2p[j], r[j])

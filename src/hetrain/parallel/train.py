@@ -654,15 +654,17 @@ def _lost(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, run_dir: P
 
 @contextlib.contextmanager
 def _lost_in(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, run_dir: Path | None,
-             beat: Heartbeat, when: str) -> Iterator[None]:
-    """A lost rank during `when` (before training) ends the run in one line, as in training."""
-    try:
-        yield
-    except Exception as e:
-        err = _lost(cfg, cluster, store, run_dir, beat, e, None, when)
-        if err is e:
-            raise
-        raise err from None
+             when: str) -> Iterator[None]:
+    """A lost rank during `when` (before training) ends the run in one line, as in training
+    (this rank's heartbeat runs meanwhile, so rank 0 can tell who was lost)."""
+    with Heartbeat(store, dist.get_rank()) as beat:
+        try:
+            yield
+        except Exception as e:
+            err = _lost(cfg, cluster, store, run_dir, beat, e, None, when)
+            if err is e:
+                raise
+            raise err from None
 
 
 def _lost_error(cfg: RunConfig, cluster: Cluster, store: dist.Store | None, world: int,
@@ -705,8 +707,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     assert par is not None
     rank = dist.get_rank()
     if par.plan == "auto" and par.calibrate and not cfg.train.resume and dist.get_world_size() > 1:
-        with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
-                                                       "the start-up calibration"):
+        with _lost_in(cfg, cluster, store, run_dir, "the start-up calibration"):
             set_timeouts(cfg.dist.worker_timeout_s)
             setup = calibrated_setup(cfg, setup, cluster, workload)
     plan = Plan.from_dict(setup.plan)
@@ -714,8 +715,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
     torch.manual_seed(cfg.train.seed)
     model = workload.build_model()
     graph = run_graph(workload, model, batch)
-    with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
-                                                   "the set-up of the plan's process groups"):
+    with _lost_in(cfg, cluster, store, run_dir, "the set-up of the plan's process groups"):
         # every rank meets here, within dist.worker_timeout_s, before any creates a group:
         # a rank that died or froze since joining is named in one line (before, a pipeline's
         # group creation failed with gloo's own error and a traceback)
@@ -743,8 +743,7 @@ def train_rank(cfg: RunConfig, setup: Setup, workload: Workload, cluster: Cluste
                          cfg.stop.target_accuracy, cfg.stop.target_loss,
                          tensorboard=cfg.train.tensorboard)
     if cfg.train.resume:
-        with Heartbeat(store, rank) as beat, _lost_in(cfg, cluster, store, run_dir, beat,
-                                                       "the loading of the checkpoint"):
+        with _lost_in(cfg, cluster, store, run_dir, "the loading of the checkpoint"):
             set_timeouts(cfg.dist.init_timeout_s, default_only=True)  # rank 0 reads the file
             ck = broadcast_from_rank0(load_checkpoint(run_dir, cfg, setup.plan) if rank == 0
                                       else None)
