@@ -351,12 +351,12 @@ class PipelineExecutor:
         mesh = meshes[s]
         a, b = stage_graphs(graph, plan)[s]
         self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last)
+        sub = graph.subgraph(a, b)
         if mesh is not None:
-            self.spmd = PlanExecutor(self.module.model, graph.subgraph(a, b),
-                                     Plan(plan.graph, (plan.stages[s],)), mesh, loss_fn)
+            self.spmd = PlanExecutor(self.module.model, sub, Plan(plan.graph, (plan.stages[s],)),
+                                     mesh, loss_fn)
         if compute_budget is not None:  # this rank's share of the model's work in its stage
-            share = (training_flops_per_sample(graph.subgraph(a, b))
-                     / training_flops_per_sample(graph))
+            share = training_flops_per_sample(sub) / training_flops_per_sample(graph)
             work = self.spmd.work if self.spmd is not None else 1.0  # one device: all of it
             self.module.pad = StagePadding(compute_budget, share * work)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])

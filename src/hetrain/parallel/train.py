@@ -8,8 +8,8 @@ uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). 
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
 over gloo; under dist.emulate = "cluster" (the default) the ranks pad their compute to their
-cluster device's time (compute_budget; a pipeline stage per micro-batch, to its share of the
-model's FLOPs), so one machine paces like the cluster file.
+cluster device's time for the work the plan gives it (compute_budget; a pipeline stage per
+micro-batch), so one machine paces like the cluster file.
 
 Every rank draws the same global batch (train.batch_size samples of an epoch permutation
 seeded by train.seed and the epoch), so data needs no shipping, and a resumed run sees the
