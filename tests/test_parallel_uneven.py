@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetrain.errors import ConfigError
-from hetrain.plan.cost import Plan, read_plan_file, training_flops_per_sample
+from hetrain.plan.cost import Plan, StagePlan, read_plan_file, training_flops_per_sample
 from hetrain.plan.graph import gpt_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import template_plan
@@ -225,7 +225,7 @@ def _plan_dict(**stage) -> dict:  # type: ignore[no-untyped-def]
     (dict(shares=[5, 1, 1]), "one count >= 1 per index"),
     (dict(shares=[5, 3, 0, 0]), "one count >= 1 per index"),
     (dict(shares=[5, 1, 1, 1], signatures=None), "data parallel"),
-    (dict(shares=[5, 1, 1, 1], n_micro=2), "one-stage plans only"),
+    (dict(shares=[5, 1, 1, 1], n_micro=2), "multiples of n_micro"),
 ])
 def test_bad_shares_in_a_plan_file_fail_in_one_line(tmp_path: Path, change, words) -> None:  # type: ignore[no-untyped-def]
     d = _plan_dict(shares=change["shares"])
@@ -274,6 +274,38 @@ def test_shares_that_do_not_fit_the_batch_or_the_row_mesh_are_refused() -> None:
     assert len(str(e.value).splitlines()) == 1
 
 
+def _column_pipeline(g, shares: tuple[int, int], n_micro: int = 2) -> Plan:  # type: ignore[no-untyped-def]
+    """2 data-parallel stages of 2 devices (0, 1 | 2, 3) cut at the second block, its
+    columns (0, 2) and (1, 3) taking `shares` of every batch."""
+    cut = next(i for i, op in enumerate(g.ops) if op.name == "blocks.1.ln1")
+    meshes = (Mesh((2,), (0, 1)), Mesh((2,), (2, 3)))
+    return Plan(g.name, tuple(
+        StagePlan(mesh, tuple(op.name for op in g.ops[a:b]), ("dp",) * (b - a), shares)
+        for mesh, (a, b) in zip(meshes, ((0, cut), (cut, len(g.ops))), strict=True)), n_micro)
+
+
+def test_a_column_pipeline_is_checked_laid_out_and_credited_per_column() -> None:
+    """hetrain run's view of a pipeline with shares: it runs (the schedule's micro-batch
+    rule included), its layout names the shares, and device j of every stage is credited
+    its column's samples."""
+    from hetrain.parallel.train import _check_executable, _layout, _worker_times
+    from hetrain.report.metrics import MetricsLog, WorkerTimes
+
+    g = gpt_graph(2, 32, 4, 32, 16, 8)
+    model = MODELS["gpt"]((16,), 32, n_layer=2, n_head=4, n_embd=32)
+    plan = _column_pipeline(g, (6, 2))
+    _check_executable(model, g, plan, "1f1b")
+    assert _layout(plan) == ("mesh 2 on devices [0, 1], batch shares [6, 2] | mesh 2 on devices "
+                             "[2, 3], batch shares [6, 2], 2 micro-batches")
+    with pytest.raises(ConfigError, match="multiples of n_micro"):
+        _check_executable(model, g, _column_pipeline(g, (6, 2), n_micro=4), "gpipe")
+    with pytest.raises(ConfigError, match="1f1b"):
+        _check_executable(model, g, _column_pipeline(g, (4, 4), n_micro=1), "1f1b")
+    log = MetricsLog("t", [WorkerTimes(f"d{i}") for i in range(5)], None)
+    _worker_times(log, [1.0] * 5, 2.0, 3 * 8, plan)
+    assert [w.samples for w in log.workers] == [18, 6, 18, 6, 0]
+
+
 # ---- hetrain run ------------------------------------------------------------------------------
 @pytest.mark.dist
 @pytest.mark.slow  # two runs (~25 s); test_hetrain_run_auto_plan_... covers the path by default
@@ -317,6 +349,45 @@ def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> Non
         par = json.loads((tmp_path / "runs" / name / "summary.json").read_text())["parallel"]
         assert par["emulated_speeds"] == "cluster"
         assert par["measured_step_s"] >= slow_samples * fps / 2e8  # 61 and 123 ms
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # two runs of 4 processes (~40 s)
+@pytest.mark.timeout(300)
+def test_hetrain_run_trains_a_column_pipeline_from_a_plan_file(tmp_path: Path) -> None:
+    """Devices 0 and 2 three times faster than 1 and 3: the plan file's 2-stage pipeline
+    gives column (0, 2) 6 of every 8 samples. The run evaluates, checkpoints the whole model
+    and summarises, and trains like the same pipeline with even data-parallel stages."""
+    from test_parallel_run import hetrain, rows, vocab, write_config
+
+    devices = ", ".join(f'{{ name = "d{i}", flops = {f}, memory_bytes = 2000000 }}'
+                        for i, f in enumerate(("6e8", "2e8", "6e8", "2e8")))
+    graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
+    columns = _column_pipeline(graph, (6, 2))
+    even = dataclasses.replace(columns, stages=tuple(dataclasses.replace(st, shares=())
+                                                     for st in columns.stages))
+    got = {}
+    for name, plan in (("columns", columns), ("even", even)):
+        plan.save(tmp_path / f"{name}.json", {"devices": 4})
+        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
+                           devices=devices)
+        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
+                    "--no-plot")
+        assert r.returncode == 0, r.stderr
+        got[name] = rows(tmp_path / "runs" / name)
+    run_dir = tmp_path / "runs" / "columns"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parallel"]["layout"].endswith("batch shares [6, 2], 2 micro-batches")
+    steps = got["columns"][-1]["updates"]
+    assert [w["samples"] for w in summary["workers"]] == [steps * 6, steps * 2] * 2
+    assert got["columns"][-1]["test_loss"] < got["columns"][0]["test_loss"]
+    for key in ("test_loss", "train_loss"):
+        assert [x[key] for x in got["columns"]] == pytest.approx(
+            [x[key] for x in got["even"]], rel=1e-4)
+    ck = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert ck["model"]["head.weight"].shape == (vocab(), 32)
+    assert ck["model"]["tok_emb.weight"].shape[1] == 32  # stage 0's and stage 1's, whole
+    assert set(ck["optimizer"]["state"]) == set(ck["model"])
 
 
 def test_compute_budget_follows_the_cluster_file_and_dist_emulate() -> None:

@@ -60,7 +60,25 @@ PLACED = ((REVERSED_STAGES, "gpipe"),
           (template_plan(GRAPH, Mesh((2,), (1, 3)), "tp"), "gpipe"))
 """Plans on the devices the planner named: a stage on devices 2 and 3 (say, the small-memory
 ones), a pipeline on devices 3 and 1, one stage on the subset 1 and 3."""
-GROUPS = {"one_device": ONE_DEVICE_STAGES, "dtensor": DTENSOR_STAGES, "placed": PLACED}
+
+
+def _column_shares(cut: int, shares: tuple[int, int], n_micro: int,
+                   devices: tuple[tuple[int, int], tuple[int, int]] = ((0, 1), (2, 3))) -> Plan:
+    """2 data-parallel stages of 2 devices whose columns (device j of each stage) take
+    `shares` of every batch."""
+    return Plan(GRAPH.name, tuple(
+        StagePlan(Mesh((2,), devs), tuple(op.name for op in GRAPH.ops[a:b]), ("dp",) * (b - a),
+                  shares) for devs, (a, b) in zip(devices, ((0, cut), (cut, N)), strict=True)),
+        n_micro)
+
+
+COLUMN_SHARES = ((_column_shares(8, (6, 2), 2), "gpipe"),
+                 (_column_shares(20, (2, 6), 2), "1f1b"),
+                 (_column_shares(13, (6, 2), 2, ((3, 0), (1, 2))), "1f1b"))
+"""Pipelines whose columns take uneven shares of the batch (the last on devices 3 -> 1 and
+0 -> 2)."""
+GROUPS = {"one_device": ONE_DEVICE_STAGES, "dtensor": DTENSOR_STAGES, "placed": PLACED,
+          "shares": COLUMN_SHARES}
 
 
 def _holders(plan: Plan) -> int:
@@ -79,7 +97,7 @@ def _hold_then_train(rank: int, world: int, run) -> tuple[list[int], list, list]
     from hetrain.parallel.runs import plans_worker
 
     return ([_holders(p) for p in run.plans], plans_worker(rank, world, run), _padded(rank),
-            _padded_tensor_parallel())
+            _padded_tensor_parallel(), _padded_columns(rank))
 
 
 SLOW_S = 0.2
@@ -146,6 +164,31 @@ def _padded_tensor_parallel() -> tuple[float, float]:
     return time.perf_counter() - t0, SLOW_S * B * work
 
 
+def _padded_columns(rank: int) -> tuple[float, float]:
+    """Rank 0's second step time under column shares (6, 2) and (2, 6) when column 1 (ranks
+    1 and 3) runs on slow emulated devices and column 0 is unthrottled."""
+    import time
+
+    import torch.distributed as dist
+
+    from hetrain.parallel.execute import make_executor
+
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    took = []
+    for shares in ((6, 2), (2, 6)):
+        torch.manual_seed(0)
+        ex = make_executor(build_gpt(), GRAPH, _column_shares(13, shares, 2), cross_entropy,
+                           compute_budget=(lambda n: SLOW_S * n) if rank in (1, 3) else None)
+        opt = torch.optim.SGD(ex.parameters(), lr=0.1)
+        ex.step(x, y, opt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ex.step(x, y, opt)
+        took.append(time.perf_counter() - t0)
+    return took[0], took[1]
+
+
 @dataclass(frozen=True)
 class Trained:
     ref: tuple[float, ...]
@@ -158,6 +201,8 @@ class Trained:
     """Rank 0's _padded results."""
     tensor_parallel_padded: tuple[float, float]
     """Rank 0's _padded_tensor_parallel result."""
+    columns_padded: tuple[float, float]
+    """Rank 0's _padded_columns result."""
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +223,8 @@ def trained() -> Trained:
         losses[name] = [per_rank[0][1][k + i].losses for i in range(len(group))]
         held[name] = [[per_rank[r][0][k + i] for r in range(4)] for i in range(len(group))]
         k += len(group)
-    return Trained(reference_run(run).losses, losses, held, per_rank[0][2], per_rank[0][3])
+    return Trained(reference_run(run).losses, losses, held, per_rank[0][2], per_rank[0][3],
+                   per_rank[0][4])
 
 
 def _trains_like_one_process(trained: Trained, group: str) -> None:
@@ -216,6 +262,27 @@ def test_stages_run_on_the_devices_the_plan_names(trained: Trained) -> None:
     assert [h > 0 for h in held[1]] == [False, True, False, True] and held[1][3] > held[1][1]
     assert [h > 0 for h in held[2]] == [False, True, False, True]
     _trains_like_one_process(trained, "placed")
+
+
+@pytest.mark.dist
+def test_gpt_pipelines_with_column_shares_train_like_one_process(trained: Trained) -> None:
+    """Column j (device j of every stage) runs its own pipeline on its share of the batch,
+    its loss weighted by the share, and each stage sums its devices' gradients: the same
+    losses as one process, under GPipe and 1F1B, on any devices the plan names; each device
+    holds its stage's parameters whole."""
+    held = trained.held["shares"]
+    assert held[0][0] == held[0][1] > 0 and held[0][2] == held[0][3] > 0
+    assert held[2][3] == held[2][0] != held[2][1] == held[2][2]
+    _trains_like_one_process(trained, "shares")
+
+
+@pytest.mark.dist
+def test_a_slow_column_given_the_smaller_share_paces_the_step_less(trained: Trained) -> None:
+    """Column 1's devices are emulated slow (0.2 s per sample of the whole model): giving
+    them 2 of the 8 samples instead of 6 shortens the step by about the 4 samples' emulated
+    time (0.8 s), which even shares could not."""
+    small, large = trained.columns_padded
+    assert large - small > 0.5 * 4 * SLOW_S, (small, large)
 
 
 # ---- refusals ----------------------------------------------------------------------------------

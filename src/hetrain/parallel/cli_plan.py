@@ -230,12 +230,15 @@ def _print_tables(con: Console, res: SearchResult, graph: LayerGraph, cluster: s
 
 
 def _layout(plan: Any, rep: CostReport) -> str:
+    shares = plan.stages[0].shares
     stages = " | ".join(f"mesh {st.mesh.label} on devices {list(st.mesh.devices)}"
-                        + (f", batch shares {list(st.shares)} (uneven data parallel: per "
-                           "index of mesh axis 0, by speed and memory)" if st.shares else "")
                         for st in plan.stages)
     if len(plan.stages) == 1:
-        return stages
+        return stages + (f", batch shares {list(shares)} (uneven data parallel: per index of "
+                         "mesh axis 0, by speed and memory)" if shares else "")
     per_stage = " | ".join(f"{t * 1e3:.3g}" for t in rep.stage_s)
-    return (stages + f", {plan.n_micro} micro-batches of {per_stage} ms per stage "
-            f"(bubble {rep.bubble_s:.3g} s)")
+    if shares:
+        stages += (f", column shares {list(shares)} (column j, device j of every stage, runs "
+                   "its own pipeline on its share: by speed and memory)")
+    return (stages + f", {plan.n_micro} micro-batches of {per_stage} ms per stage"
+            + (" in the slowest column" if shares else "") + f" (bubble {rep.bubble_s:.3g} s)")

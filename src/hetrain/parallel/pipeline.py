@@ -22,6 +22,14 @@ the loss op's signature (vocab-parallel cross-entropy). The schedule averages gr
 micro-batches (scale_grads), matching the mean loss of one whole batch when every micro-batch
 has the same size.
 
+Batch shares (StagePlan.shares, the same on every stage, every op "dp"): column j, device j
+of every stage, is a pipeline of its own over shares[j] samples of each batch (its n_micro
+micro-batches of shares[j] / n_micro), each device running its stage's modules plainly on
+them, so a column of faster devices takes more of the batch; each column's loss is weighted
+by shares[j] / batch and every stage sums its devices' gradients (uneven.sum_in_buckets),
+which gives the whole batch's mean-loss gradient on every replica, as the uneven one-stage
+executor does.
+
 Speed emulation (`compute_budget`, as the one-stage executors take it: this rank's device's
 forward + backward time for n samples of the whole model): a rank pads its stage's work per
 micro-batch to its device's share: the stage's fraction of the model's training FLOPs, of
@@ -52,7 +60,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
 from hetrain.parallel.execute import ComputeBudget, PlanExecutor
-from hetrain.plan.cost import Plan, stage_graphs, training_flops_per_sample
+from hetrain.parallel.uneven import sum_in_buckets
+from hetrain.plan.cost import Plan, require_shares, stage_graphs, training_flops_per_sample
 from hetrain.plan.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -150,6 +159,8 @@ def pipeline_layout(model: nn.Module, graph: LayerGraph, plan: Plan) -> Layout:
     d = _replicas(plan)
     if plan.n_micro < 1 or graph.batch % plan.n_micro:
         raise ConfigError(f"batch {graph.batch} is not divisible by n_micro ({plan.n_micro})")
+    if plan.stages[0].shares:
+        require_shares(plan, graph.batch)
     stages = _stage_pieces(model_pieces(model), graph, plan)
     _check_untied(model, stages)
     return Layout(stages, d)
@@ -260,6 +271,11 @@ class StagePadding:
             out.register_hook(functools.partial(_sleep_then, backward))
 
 
+def _weighted(loss_fn: Callable[[Tensor, Tensor], Tensor], weight: float, out: Tensor,
+              y: Tensor) -> Tensor:
+    return loss_fn(out, y) * weight
+
+
 def _sleep_then(seconds: float, grad: Tensor) -> Tensor:
     time.sleep(seconds)
     return grad
@@ -336,11 +352,18 @@ class PipelineExecutor:
         world, rank = dist.get_world_size(), dist.get_rank()
         ranks = stage_ranks(plan, world)
         self.n_micro, self.last_rank = m, ranks[-1][0]
+        self.shares = plan.stages[0].shares
+        if self.shares:
+            require_shares(plan, graph.batch)
         # every rank creates every group and mesh, in the same order (new_group's contract)
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         p2p = [_p2p_group(sorted(r[j] for r in ranks), timeout) for j in range(d)]
-        meshes = [DeviceMesh("cpu", torch.tensor(r).view(st.mesh.shape)) if d > 1 else None
+        meshes = [DeviceMesh("cpu", torch.tensor(r).view(st.mesh.shape))
+                  if d > 1 and not self.shares else None
                   for r, st in zip(ranks, plan.stages, strict=True)]
+        # with shares a stage's devices are replicas that sum their gradients (and the last
+        # stage its columns' losses) over the stage's group
+        sums = [dist.new_group(r) if self.shares and d > 1 else None for r in ranks]
         self.module: StageModule | None = None
         self.spmd: PlanExecutor | None = None
         where = {r: (s, j) for s, rs in enumerate(ranks) for j, r in enumerate(rs)}
@@ -348,6 +371,7 @@ class PipelineExecutor:
             return
         s, j = where[rank]
         self.first, self.last = s == 0, s == k - 1
+        self.sum_group = sums[s]
         mesh = meshes[s]
         a, b = stage_graphs(graph, plan)[s]
         self.module = StageModule(model, layout.stages[s], mesh, keep_dtensor=self.last)
@@ -357,8 +381,14 @@ class PipelineExecutor:
                                      mesh, loss_fn)
         if compute_budget is not None:  # this rank's share of the model's work in its stage
             share = training_flops_per_sample(sub) / training_flops_per_sample(graph)
-            work = self.spmd.work if self.spmd is not None else 1.0  # one device: all of it
+            # one device, or a column's device (its samples whole): all of its stage's work
+            work = self.spmd.work if self.spmd is not None else 1.0
             self.module.pad = StagePadding(compute_budget, share * work)
+        self.rows = slice(0, graph.batch)
+        if self.shares:  # column j's samples of every batch, its loss weighted by its share
+            self.rows = slice(sum(self.shares[:j]), sum(self.shares[:j + 1]))
+            weight = self.shares[j] / graph.batch
+            loss_fn = functools.partial(_weighted, loss_fn, weight)
         stage = PipelineStage(self.module, s, k, torch.device("cpu"), group=p2p[j])
         # stage t's peer in group j is device j of stage t (the group orders ranks, not stages)
         stage.stage_index_to_group_rank = {t: dist.get_group_rank(p2p[j], r[j])
@@ -373,6 +403,9 @@ class PipelineExecutor:
     def step(self, x: Tensor, y: Tensor, optimizer: torch.optim.Optimizer | None) -> float:
         if x.shape[0] % self.n_micro:
             raise ConfigError(f"batch {x.shape[0]} is not divisible by n_micro ({self.n_micro})")
+        if self.shares and x.shape[0] != sum(self.shares):
+            raise ConfigError(f"the plan's shares {list(self.shares)} sum to {sum(self.shares)}, "
+                              f"the batch has {x.shape[0]} samples")
         loss = torch.zeros(1)
         if self.module is not None:
             if optimizer is not None:
@@ -380,6 +413,7 @@ class PipelineExecutor:
             if self.module.pad is not None:
                 self.module.pad.start_step()
             losses: list[Tensor] = []
+            x, y = x[self.rows], y[self.rows]
             with self.spmd.loss_context() if self.spmd is not None else contextlib.nullcontext():
                 if self.first:
                     self.schedule.step(x, return_outputs=False)
@@ -387,12 +421,26 @@ class PipelineExecutor:
                     self.schedule.step(target=y, losses=losses, return_outputs=False)
                 else:
                     self.schedule.step(return_outputs=False)
-            if self.last:  # equal micro-batches: their mean is the batch's mean loss
+            if self.last:  # equal micro-batches: their mean is the batch's (column's) mean loss
                 full = [v.full_tensor() if isinstance(v, DTensor) else v for v in losses]
                 loss = torch.stack([v.detach() for v in full]).mean().reshape(1)
             if self.spmd is not None:
                 self.spmd.sync_grads()
+            if self.sum_group is not None:
+                self._sum_over_stage(loss)
             if optimizer is not None:
                 optimizer.step()
         dist.broadcast(loss, src=self.last_rank)
         return float(loss)
+
+    def _sum_over_stage(self, loss: Tensor) -> None:
+        """Shares: each column's gradients are those of its share-weighted loss; their sum over
+        the stage's devices is the gradient of the whole batch's mean loss (and the last
+        stage's weighted losses sum to it)."""
+        assert self.module is not None
+        grads = []
+        for p in self.module.parameters():
+            if p.grad is None:  # unused this step: every device must send as many bytes
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        sum_in_buckets([*grads, loss] if self.last else grads, self.sum_group)

@@ -3,8 +3,9 @@
 One process per cluster device, no parameter server. The plan (searched at start-up with the
 cluster's speeds, links and memory caps, or read from a `hetrain plan --out` file) decides
 who holds which parameter shards: a one-stage plan runs with DTensor (execute.PlanExecutor),
-a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor), a plan with
-uneven batch shares with uneven.UnevenExecutor (every mesh row a full replica). Rank r is
+a pipeline plan with torch.distributed.pipelining (pipeline.PipelineExecutor; with batch
+shares, one pipeline per column of devices), a one-stage plan with uneven batch shares with
+uneven.UnevenExecutor (every mesh row a full replica). Rank r is
 cluster device r: every stage runs on the devices the plan sized it for (a slow or small
 device holds fewer layers), ranks the plan leaves out idle. Every process computes on its CPU
 over gloo; under dist.emulate = "cluster" (the default) the ranks pad their compute to their
@@ -315,7 +316,7 @@ def _check_uneven(graph: LayerGraph, plan: Plan) -> None:
 
 
 def _check_executable(model: nn.Module, graph: LayerGraph, plan: Plan, schedule: str) -> None:
-    if any(st.shares for st in plan.stages):
+    if len(plan.stages) == 1 and plan.stages[0].shares:
         _check_uneven(graph, plan)
         return
     if len(plan.stages) == 1:
@@ -909,13 +910,13 @@ def _worker_times(log: MetricsLog, busy: list[float], elapsed: float, samples: i
     evenly over its devices."""
     n = len(log.workers)
     counts = _split_evenly(samples, n)
-    st = plan.stages[0] if plan is not None else None
-    if st is not None and st.shares:
+    if plan is not None and plan.stages[0].shares:
         counts = [0] * n
-        for share, row in zip(st.shares, st.rows(), strict=True):
-            for d, c in zip(row, _split_evenly(samples * share // sum(st.shares), len(row)),
-                            strict=True):
-                counts[d] = c
+        for st in plan.stages:  # a pipeline's column j: device j of every stage
+            for share, row in zip(st.shares, st.rows(), strict=True):
+                for d, c in zip(row, _split_evenly(samples * share // sum(st.shares), len(row)),
+                                strict=True):
+                    counts[d] = c
     for i, w in enumerate(log.workers):
         b = busy[i] if i < len(busy) else 0.0
         w.busy_s, w.comm_s, w.idle_s = b, 0.0, max(0.0, elapsed - b)

@@ -36,6 +36,9 @@ Uneven data parallelism (StagePlan.shares, one-stage plans): row j of mesh axis 
 own share b_j of the batch on its own devices (its formula above at b_j, on the row's
 sub-mesh, with its own step overhead), then the rows' gradient shards are summed over axis 0
 in flat buckets: T = max_j T_j + inner sync + sum_buckets all_reduce(axis 0) (uneven_cost).
+A pipeline with shares runs one pipeline per column (device j of every stage) on its own
+share, each device at its own pace, then sums each stage's gradients over its devices:
+T = max_j (column j's pipeline time) + max_s sync_s (column_pipeline_cost).
 """
 
 from __future__ import annotations
@@ -107,9 +110,10 @@ class CostOptions:
 class StagePlan:
     """Ops (by name, contiguous in the graph) on one mesh, each with its signature name.
 
-    `shares` (uneven data parallelism, one-stage plans only): samples of each batch that the
-    devices at each index of mesh axis 0 process, in axis order, summing to the batch; every
-    op is "dp" on axis 0. Empty: an even split (DTensor's Shard(0))."""
+    `shares` (uneven data parallelism): samples of each batch that the devices at each index
+    of mesh axis 0 process, in axis order, summing to the batch; every op is "dp" on axis 0.
+    In a pipeline every stage carries the same shares, one per column (device j of every
+    stage). Empty: an even split (DTensor's Shard(0))."""
 
     mesh: Mesh
     ops: tuple[str, ...]
@@ -200,14 +204,18 @@ class Plan:
 
 
 def check_shares(plan: Plan, batch: int | None = None) -> None:
-    """Uneven shares are legal: one stage, one share >= 1 per index of mesh axis 0, every op
-    data parallel on axis 0 and, given the batch, shares summing to it. Raises TypeError
-    (Plan.from_dict turns it into one ConfigError line)."""
+    """Uneven shares are legal. One stage: one share >= 1 per index of mesh axis 0, every op
+    data parallel on axis 0, n_micro 1. A pipeline (column_pipeline_cost): the same shares in
+    every stage, one per device of its 1-D mesh, each a multiple of n_micro, every op "dp".
+    Given the batch, shares summing to it. Raises TypeError (Plan.from_dict turns it into
+    one ConfigError line)."""
+    if len(plan.stages) > 1 and any(st.shares for st in plan.stages):
+        _check_column_shares(plan)
     for st in plan.stages:
         if not st.shares:
             continue
-        if len(plan.stages) > 1 or plan.n_micro > 1:
-            raise TypeError("uneven shares apply to one-stage plans only")
+        if len(plan.stages) == 1 and plan.n_micro > 1:
+            raise TypeError("a one-stage plan with shares takes n_micro = 1")
         if len(st.shares) != st.mesh.shape[0] or min(st.shares) < 1:
             raise TypeError(f"shares {list(st.shares)} need one count >= 1 per index of mesh "
                             f"axis 0 ({st.mesh.shape[0]})")
@@ -216,6 +224,23 @@ def check_shares(plan: Plan, batch: int | None = None) -> None:
         if batch is not None and sum(st.shares) != batch:
             raise TypeError(f"shares {list(st.shares)} sum to {sum(st.shares)}, not the batch "
                             f"{batch}")
+
+
+def _check_column_shares(plan: Plan) -> None:
+    """A pipeline's shares: one per column (device j of every stage), the same in every
+    stage, on 1-D meshes of as many devices, every op plain "dp", multiples of n_micro."""
+    shares, m = plan.stages[0].shares, plan.n_micro
+    if any(st.shares != shares for st in plan.stages):
+        raise TypeError("a pipeline's batch shares (one per column: device j of every stage) "
+                        "must be the same in every stage")
+    if any(st.mesh.shape != (len(shares),) for st in plan.stages):
+        raise TypeError(f"a pipeline with shares {list(shares)} needs every stage on a 1-D "
+                        f"mesh of {len(shares)} devices")
+    if any(s != "dp" for st in plan.stages for s in st.signatures):
+        raise TypeError("a pipeline with shares needs every op data parallel ('dp')")
+    if min(shares) < m or any(x % m for x in shares):
+        raise TypeError(f"shares {list(shares)} must be positive multiples of n_micro ({m}): "
+                        "every column splits its share into n_micro equal micro-batches")
 
 
 def require_shares(plan: Plan, batch: int) -> None:
@@ -472,6 +497,8 @@ def plan_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
               options: CostOptions | None = None) -> CostReport:
     """Predicted iteration time and per-device memory of `plan` (see the module docstring)."""
     if plan.stages[0].shares:
+        if len(plan.stages) > 1:
+            return column_pipeline_cost(graph, plan, cluster, options)
         return uneven_cost(graph, plan, cluster, options)
     m, k = plan.n_micro, len(plan.stages)
     if m < 1 or graph.batch % m:
@@ -586,6 +613,79 @@ def uneven_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     mem, limit = max(excess, key=lambda e: e[0] - e[1])
     return CostReport(t_slow + sync, sum(x.compute_s for x in oc),
                       sum(x.comm_s for x in oc), sync, 0.0, mem, limit, ops)
+
+
+@dataclass(frozen=True)
+class ColumnStage:
+    """One device's part of a column pipeline: its stage at the column's micro-batch."""
+
+    time_s: float
+    """Forward + backward of one micro-batch, with sending the boundary activation (and
+    receiving its gradient) to the next stage's device in the column."""
+    memory_bytes: float
+    """With every micro-batch's activations alive."""
+    memory_limit_bytes: float
+    overhead_s: float
+    ops: list[OpCost]
+    grad_bytes: list[int]
+    """The stage's gradient tensors (what its devices sum)."""
+
+
+def column_stages(graph: LayerGraph, plan: Plan, column: tuple[int, ...], micro_samples: float,
+                  cluster: Cluster, options: CostOptions | None = None) -> list[ColumnStage]:
+    """Column `column` (device j of every stage) of a pipeline plan running micro-batches of
+    `micro_samples` samples, each device computing its stage's ops whole ("dp" on a mesh of
+    one device), priced stage by stage."""
+    micro = graph.scaled(micro_samples / graph.batch)
+    out = []
+    for s, ((a, b), dev) in enumerate(zip(stage_graphs(graph, plan), column, strict=True)):
+        tab = stage_tables(micro.subgraph(a, b), Mesh((1,), (dev,)), cluster, options)
+        assign = tab.index_of(("dp",) * (b - a))
+        t = tab.time_s(assign) - tab.overhead_s
+        if s + 1 < len(column):
+            t += 2 * _boundary_link_s(cluster, tab.mesh, Mesh((1,), (column[s + 1],)),
+                                      micro.ops[b - 1].out_bytes)
+        grads = [n for i, op in enumerate(tab.graph.ops)
+                 for n in _shard_bytes(op, tab.sigs[i][assign[i]], (1,))]
+        out.append(ColumnStage(t, memory_with_micro(tab, assign, plan.n_micro),
+                               tab.memory_limit_bytes, tab.overhead_s, tab.op_costs(assign), grads))
+    return out
+
+
+def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
+                         options: CostOptions | None = None) -> CostReport:
+    """A pipeline with batch shares, as parallel.pipeline runs it: column j (device j of every
+    stage) is a pipeline of its own over n_micro micro-batches of shares[j] / n_micro samples,
+    each device running its stage's ops whole on them (column_stages: its own speed and step
+    overhead) and sending the column's slice of the boundary activation to the next stage's
+    device j; then each stage's gradients (and the last stage's loss) are summed over its
+    devices in flat buckets, the stages at once. T = max_j (pipeline_time_s(column j's stage
+    times) + its devices' largest step overhead) + max_s sync_s. Memory: each device at its column's
+    micro-batch with every micro-batch's activations alive, within its own cap."""
+    require_shares(plan, graph.batch)
+    m, k = plan.n_micro, len(plan.stages)
+    o = options or CostOptions()
+    priced = [column_stages(graph, plan, column, share / m, cluster, options)
+              for share, column in zip(plan.stages[0].shares,
+                                       zip(*(st.mesh.devices for st in plan.stages), strict=True),
+                                       strict=True)]
+    def column_s(c: list[ColumnStage]) -> float:
+        return pipeline_time_s([x.time_s for x in c], m) + max(x.overhead_s for x in c)
+
+    slowest = max(priced, key=column_s)
+    syncs = []
+    for s, st in enumerate(plan.stages):
+        comm = mesh_comm(cluster, st.mesh, o.collective_factors, o.collective_call_s)
+        shards = slowest[s].grad_bytes + ([4] if s == k - 1 else [])  # + the last stage's loss
+        syncs.append(sum(comm.collective_s("all_reduce", 0, sum(shards[i] for i in idx))
+                         for idx in buckets(shards)) if len(st.mesh.devices) > 1 else 0.0)
+    times = [x.time_s for x in slowest]
+    ops = tuple(op for x in slowest for op in x.ops)
+    mem, limit = max(((x.memory_bytes, x.memory_limit_bytes) for c in priced for x in c),
+                     key=lambda e: e[0] - e[1])
+    return CostReport(column_s(slowest) + max(syncs),
+                      sum(x.compute_s for x in ops) * m, sum(x.comm_s for x in ops) * m,
+                      max(syncs), sum(times) - max(times), mem, limit, ops, tuple(times))
 
 
 def training_flops_per_sample(graph: LayerGraph) -> float:

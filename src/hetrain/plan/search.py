@@ -16,7 +16,8 @@ when memory differs, the first 2^k when every device is alike) and GPipe pipelin
 device groups by site, by speed or by memory; layers cut only where the pipeline executor can
 cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and the exact
 min-max split of the cost model's per-op stage times under each group's memory cap, so a slower
-or smaller device's stage gets fewer layers), and returns the fastest plan that fits every
+or smaller device's stage gets fewer layers; where a stage's devices differ, also with every
+stage data parallel and per-column batch shares, shares.column_shares), and returns the fastest plan that fits every
 device's memory (memory_bytes), of equal times the one on the fewest devices, with the
 data-parallel baseline. When no candidate fits, search_plan raises one ConfigError line with
 the leanest plan's need, its device's cap, the shortfall and the largest device's memory.
@@ -48,7 +49,7 @@ from hetrain.plan.cost import (
 )
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
-from hetrain.plan.shares import balanced_shares, rows_differ
+from hetrain.plan.shares import balanced_shares, column_shares, columns_differ, rows_differ
 from hetrain.plan.split import min_max_split
 
 INFEASIBLE = 1e12
@@ -67,7 +68,8 @@ class SearchOptions:
     """Also try meshes over the fastest devices only, over those with the most memory (when
     memory differs), over the first 2^k when all are alike, and over single sites."""
     uneven: bool = True
-    """Also try uneven data-parallel batch shares over mesh axis 0 where its rows differ."""
+    """Also try uneven data-parallel batch shares over mesh axis 0 where its rows differ, and
+    per column of a pipeline whose stages' devices differ."""
     seed: int = 0
 
 
@@ -300,8 +302,10 @@ def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: in
 
 def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
     """Device groups for pipeline stages, in stage order: the sites (and pairs of sites) when
-    they are equal in size, and 2 or 4 equal groups by speed and, when the devices' memory
-    differs, by memory. Every group has as many devices (the pipeline executor feeds device
+    they are equal in size, 2 or 4 equal groups by speed and, when the devices' memory
+    differs, by memory, and, when speeds differ, 2 or 4 groups that each take one device of
+    every k speed-ranked ones (column j of such a pipeline is k alike devices: with
+    per-column batch shares, a column of fast devices takes more of the batch). Every group has as many devices (the pipeline executor feeds device
     j of a stage from device j of the one before)."""
     sites = list(_by_site(cluster).values())
     out = []
@@ -319,6 +323,13 @@ def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
             if cluster.n % k == 0 and cluster.n >= k:
                 c = cluster.n // k
                 groups = [sorted(order[j * c:(j + 1) * c]) for j in range(k)]
+                if groups not in out:
+                    out.append(groups)
+    if len({d.flops for d in devs}) > 1:  # columns of alike devices, for per-column shares
+        for k in (2, 4):
+            c = cluster.n // k
+            if cluster.n % k == 0 and c > 1:
+                groups = [sorted(orders[0][j * k + s] for j in range(c)) for s in range(k)]
                 if groups not in out:
                     out.append(groups)
     return out
@@ -476,9 +487,28 @@ def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]
             except ConfigError:
                 continue
             sizes = [b - a for a, b in itertools.pairwise(cuts)]
-            out.append((to_plan(graph, stages, m), f"pipeline {k} stages x {m} micro "
-                        f"{[len(g) for g in groups]} {how} split {sizes} ops"))
+            plan = to_plan(graph, stages, m)
+            desc = f"pipeline {k} stages x {m} micro {[len(g) for g in groups]} {how} split " \
+                   f"{sizes} ops"
+            out.append((plan, desc))
+            if o.uneven and len(groups[0]) > 1 and columns_differ(cluster, plan):
+                dp = replace(plan, stages=tuple(
+                    replace(st, mesh=_fastest_first(cluster, st.mesh),
+                            signatures=("dp",) * len(st.ops)) for st in plan.stages))
+                shares = column_shares(graph, dp, cluster, cost_options)
+                if shares is not None:
+                    out.append((replace(dp, stages=tuple(replace(st, shares=shares)
+                                                         for st in dp.stages)),
+                                f"{desc}, column shares {list(shares)}"))
     return out
+
+
+def _fastest_first(cluster: Cluster, mesh: Mesh) -> Mesh:
+    """A 1-D mesh's devices fastest first (then roomiest): column j of a pipeline with
+    shares pairs the j-th fastest device of every stage."""
+    devs = cluster.devices
+    return Mesh(mesh.shape, tuple(sorted(mesh.devices, key=lambda i: (
+        -devs[i].flops, -devs[i].memory_bytes, i))))
 
 
 # ---- hand-written plans (baselines, tests, benchmarks) ---------------------------------------

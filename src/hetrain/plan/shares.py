@@ -14,17 +14,27 @@ row j's cap, are C-ADP's min-makespan allocation (allocate.allocate: exact water
 integer rounding in units of the inner data-parallel width) of the samples beyond each row's
 first unit, whose time becomes a fixed cost. Leaving a row out altogether is a mesh over fewer
 devices, which the search prices separately.
+
+A pipeline's shares (column_shares) are per column, device j of every stage: column j is a
+pipeline of its own over its share (cost.column_pipeline_cost), so a column of faster devices
+takes more of the batch. Its time is the pipeline formula over its stages' micro-batch times,
+each affine in the column's micro-batch u: T_j(u) = sum_s t_sj(u) + (m - 1) max_s t_sj(u),
+convex and increasing. Minimising max_j T_j(u_j) with sum u_j = batch / m takes the batch / m
+smallest "slots" T_j(1), T_j(2), ... (each T_j increasing), which handing out micro-batch
+samples one at a time to the column whose next slot is smallest does (a heap; the argument
+of allocate's rounding theorem).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
 from hetrain.plan.allocate import allocate
-from hetrain.plan.cost import CostOptions, Plan, StagePlan, row_tables
+from hetrain.plan.cost import CostOptions, Plan, StagePlan, column_stages, row_tables
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
 
@@ -85,3 +95,59 @@ def balanced_shares(graph: LayerGraph, st: StagePlan, cluster: Cluster,
 
 def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:
     return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shares=shares),))
+
+
+def columns_differ(cluster: Cluster, plan: Plan) -> bool:
+    """Whether the devices of some stage of a pipeline differ in pace or room (else its columns
+    are alike and even shares are optimal)."""
+    devs = cluster.devices
+    return any(len({(devs[d].flops, devs[d].memory_bytes, devs[d].step_overhead_s)
+                    for d in st.mesh.devices}) > 1 for st in plan.stages)
+
+
+def column_shares(graph: LayerGraph, plan: Plan, cluster: Cluster,
+                  options: CostOptions | None = None) -> tuple[int, ...] | None:
+    """The shares of a pipeline's columns (multiples of n_micro, at least one sample per
+    micro-batch each) minimising the slowest column's predicted time within every device's
+    memory; None when the batch cannot give every column a micro-batch sample or no such
+    split fits memory. `plan`: the pipeline's stages (1-D meshes of equal size) and n_micro."""
+    m = plan.n_micro
+    columns = list(zip(*(st.mesh.devices for st in plan.stages), strict=True))
+    if graph.batch % m or graph.batch // m < len(columns):
+        return None
+    units = graph.batch // m
+
+    def affine(lo: float, hi: float) -> tuple[float, float]:
+        """(value at 0, slope) of the line through (1, lo) and (units, hi)."""
+        slope = (hi - lo) / (units - 1) if units > 1 else 0.0
+        return lo - slope, slope
+
+    times, caps = [], []
+    for column in columns:
+        try:
+            lo, hi = (column_stages(graph, plan, column, u, cluster, options) for u in (1, units))
+        except ConfigError:
+            return None
+        lines = [affine(a.time_s, b.time_s) for a, b in zip(lo, hi, strict=True)]
+        overhead = max(x.overhead_s for x in lo)
+        times.append(lambda u, lines=lines, overhead=overhead: overhead + sum(
+            a + b * u for a, b in lines) + (m - 1) * max(a + b * u for a, b in lines))
+        cap = math.inf
+        for a, b in zip(lo, hi, strict=True):
+            fixed, per = affine(a.memory_bytes, b.memory_bytes)
+            room = a.memory_limit_bytes - fixed
+            cap = min(cap, math.inf if per <= 0 else math.floor(room / per + 1e-9))
+        caps.append(cap)
+    if min(caps) < 1:
+        return None
+    share = [1] * len(columns)
+    heap = [(t(2), j) for j, t in enumerate(times) if caps[j] >= 2]
+    heapq.heapify(heap)
+    for _ in range(units - len(columns)):
+        if not heap:
+            return None
+        _, j = heapq.heappop(heap)
+        share[j] += 1
+        if share[j] < caps[j]:
+            heapq.heappush(heap, (times[j](share[j] + 1), j))
+    return tuple(u * m for u in share)
