@@ -112,15 +112,17 @@ def solo_fit() -> tuple[float, float]:
     return fit_solo(model, lambda b: batch(gen, b), cross_entropy, GPT["B"] // 4)
 
 
-def cluster_of(calib: dict[str, Any], fps: float | None = None, k: float = K) -> Cluster:
+def cluster_of(calib: dict[str, Any], fps: float | None = None, k: float = K,
+               slowdown: tuple[float, ...] = SLOWDOWN) -> Cluster:
     """The devices the budgets emulate: k x slowdown x the solo fit, for a model of `fps`
     training FLOPs per sample (default: this benchmark's GPT)."""
     site = Site("local", Link(calib["beta_Bps"], calib["alpha_s"]),
                 Link(calib["beta_Bps"], calib["alpha_s"]))
     fps = flops_per_sample() if fps is None else fps
-    return Cluster("speeds-1-1-2-4", tuple(
+    name = "speeds-" + "-".join(f"{max(slowdown) / s:g}" for s in slowdown)
+    return Cluster(name, tuple(
         Device(f"rank{i}", fps / (k * s * calib["c"]), 8e9, "local",
-               step_overhead_s=k * s * calib["a"]) for i, s in enumerate(SLOWDOWN)), (site,))
+               step_overhead_s=k * s * calib["a"]) for i, s in enumerate(slowdown)), (site,))
 
 
 def options_of(calib: dict[str, Any]) -> CostOptions:

@@ -351,6 +351,7 @@ def _shared_tables(mesh: Mesh, cluster: Cluster, options: CostOptions
 def clear_caches() -> None:
     """Forget every cached table (for cold-cache timings)."""
     stage_tables.cache_clear()
+    _device_stage.cache_clear()
     _anon.cache_clear()
     _SHARED.clear()
 
@@ -626,8 +627,8 @@ class ColumnStage:
     """With every micro-batch's activations alive."""
     memory_limit_bytes: float
     overhead_s: float
-    ops: list[OpCost]
-    grad_bytes: list[int]
+    ops: tuple[OpCost, ...]
+    grad_bytes: tuple[int, ...]
     """The stage's gradient tensors (what its devices sum)."""
 
 
@@ -639,17 +640,35 @@ def column_stages(graph: LayerGraph, plan: Plan, column: tuple[int, ...], micro_
     micro = graph.scaled(micro_samples / graph.batch)
     out = []
     for s, ((a, b), dev) in enumerate(zip(stage_graphs(graph, plan), column, strict=True)):
-        tab = stage_tables(micro.subgraph(a, b), Mesh((1,), (dev,)), cluster, options)
-        assign = tab.index_of(("dp",) * (b - a))
-        t = tab.time_s(assign) - tab.overhead_s
+        # a one-device mesh has no links: alike devices share one pricing
+        alone = _device_stage(micro.subgraph(a, b), _first_alike(cluster, dev), cluster, options,
+                              plan.n_micro)
         if s + 1 < len(column):
-            t += 2 * _boundary_link_s(cluster, tab.mesh, Mesh((1,), (column[s + 1],)),
-                                      micro.ops[b - 1].out_bytes)
-        grads = [n for i, op in enumerate(tab.graph.ops)
-                 for n in _shard_bytes(op, tab.sigs[i][assign[i]], (1,))]
-        out.append(ColumnStage(t, memory_with_micro(tab, assign, plan.n_micro),
-                               tab.memory_limit_bytes, tab.overhead_s, tab.op_costs(assign), grads))
+            alone = replace(alone, time_s=alone.time_s + 2 * _boundary_link_s(
+                cluster, Mesh((1,), (dev,)), Mesh((1,), (column[s + 1],)),
+                micro.ops[b - 1].out_bytes))
+        out.append(alone)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _device_stage(sub: LayerGraph, device: int, cluster: Cluster, options: CostOptions | None,
+                  n_micro: int) -> ColumnStage:
+    """A stage's ops whole on one device (no boundary transfer), n_micro micro-batches'
+    activations alive."""
+    tab = StageTables(sub, Mesh((1,), (device,)), cluster, options)
+    assign = tab.index_of(("dp",) * len(sub.ops))
+    grads = tuple(n for i, op in enumerate(sub.ops)
+                  for n in _shard_bytes(op, tab.sigs[i][assign[i]], (1,)))
+    return ColumnStage(tab.time_s(assign) - tab.overhead_s, memory_with_micro(tab, assign, n_micro),
+                       tab.memory_limit_bytes, tab.overhead_s, tuple(tab.op_costs(assign)), grads)
+
+
+def _first_alike(cluster: Cluster, device: int) -> int:
+    """The first device of the cluster with this one's speed, memory and step overhead."""
+    d = cluster.devices[device]
+    return next(i for i, x in enumerate(cluster.devices) if (x.flops, x.memory_bytes,
+                x.step_overhead_s) == (d.flops, d.memory_bytes, d.step_overhead_s))
 
 
 def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
@@ -676,7 +695,7 @@ def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     syncs = []
     for s, st in enumerate(plan.stages):
         comm = mesh_comm(cluster, st.mesh, o.collective_factors, o.collective_call_s)
-        shards = slowest[s].grad_bytes + ([4] if s == k - 1 else [])  # + the last stage's loss
+        shards = [*slowest[s].grad_bytes, *([4] if s == k - 1 else [])]  # + the last stage's loss
         syncs.append(sum(comm.collective_s("all_reduce", 0, sum(shards[i] for i in idx))
                          for idx in buckets(shards)) if len(st.mesh.devices) > 1 else 0.0)
     times = [x.time_s for x in slowest]

@@ -302,10 +302,8 @@ def _speed_bounds(micro: LayerGraph, cluster: Cluster, meshes: list[Mesh], m: in
 
 def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
     """Device groups for pipeline stages, in stage order: the sites (and pairs of sites) when
-    they are equal in size, 2 or 4 equal groups by speed and, when the devices' memory
-    differs, by memory, and, when speeds differ, 2 or 4 groups that each take one device of
-    every k speed-ranked ones (column j of such a pipeline is k alike devices: with
-    per-column batch shares, a column of fast devices takes more of the batch). Every group has as many devices (the pipeline executor feeds device
+    they are equal in size, and 2 or 4 equal groups by speed and, when the devices' memory
+    differs, by memory. Every group has as many devices (the pipeline executor feeds device
     j of a stage from device j of the one before)."""
     sites = list(_by_site(cluster).values())
     out = []
@@ -325,14 +323,20 @@ def _pipeline_groups(cluster: Cluster) -> list[list[list[int]]]:
                 groups = [sorted(order[j * c:(j + 1) * c]) for j in range(k)]
                 if groups not in out:
                     out.append(groups)
-    if len({d.flops for d in devs}) > 1:  # columns of alike devices, for per-column shares
-        for k in (2, 4):
-            c = cluster.n // k
-            if cluster.n % k == 0 and c > 1:
-                groups = [sorted(orders[0][j * k + s] for j in range(c)) for s in range(k)]
-                if groups not in out:
-                    out.append(groups)
     return out
+
+
+def _column_groups(cluster: Cluster) -> list[list[list[int]]]:
+    """When speeds differ: 2 or 4 stage groups that each take one device of every k
+    speed-ranked ones, so that column j of the pipeline is k alike devices and, with
+    per-column batch shares, a column of fast devices takes more of the batch (without
+    shares such a pipeline runs at its slow devices' pace: only its shares are tried)."""
+    devs = cluster.devices
+    if len({d.flops for d in devs}) == 1:
+        return []
+    order = sorted(range(cluster.n), key=lambda i: (devs[i].flops, i))
+    return [[sorted(order[j * k + s] for j in range(cluster.n // k)) for s in range(k)]
+            for k in (2, 4) if cluster.n % k == 0 and cluster.n // k > 1]
 
 
 def data_parallel_plan(graph: LayerGraph, cluster: Cluster, mesh: Mesh | None = None,
@@ -407,6 +411,11 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
     if o.pipeline:
         for groups in _pipeline_groups(cluster):
             found += _search_pipeline(graph, cluster, groups, o, cost_options)
+        if o.uneven:
+            for groups in _column_groups(cluster):
+                if groups not in _pipeline_groups(cluster):
+                    found += _search_pipeline(graph, cluster, groups, o, cost_options,
+                                              shares_only=True)
     if not found:
         raise ConfigError(f"no plan for '{graph.name}' on '{cluster.name}': no mesh admits it")
     reports = [(plan_cost(graph, p, cluster, cost_options), p, d) for p, d in found]
@@ -456,12 +465,15 @@ def _shortfall(graph: LayerGraph, cluster: Cluster, lean: CostReport, desc: str,
 
 
 def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]],
-                     o: SearchOptions, cost_options: CostOptions | None) -> list[tuple[Plan, str]]:
+                     o: SearchOptions, cost_options: CostOptions | None,
+                     shares_only: bool = False) -> list[tuple[Plan, str]]:
     """GPipe candidates with one stage per group (in order) and k, 2k or 4k micro-batches,
     cut at the graph's stage starts two ways: FLOP-proportional to the groups' capacity (size
     x slowest speed) and by the cost model's per-op times (_speed_bounds: a slower or fuller
     stage gets fewer layers). Each stage then gets its own SBP search on its devices, memory
-    counted with all micro-batches' activations; plan_cost prices every candidate."""
+    counted with all micro-batches' activations, and where a stage's devices differ (with
+    o.uneven) the same cuts with data-parallel stages and per-column shares are tried too
+    (only those with `shares_only`); plan_cost prices every candidate."""
     k = len(groups)
     meshes = [Mesh((len(g),), tuple(g)) for g in groups]
     flops_bounds = _balanced_bounds(graph, [len(g) * min(cluster.devices[i].flops for i in g)
@@ -477,24 +489,26 @@ def _search_pipeline(graph: LayerGraph, cluster: Cluster, groups: list[list[int]
             if bounds is not None:
                 tried.setdefault(tuple(bounds), how)
         for cuts, how in tried.items():
-            stages = []
-            try:
-                for j, mesh in enumerate(meshes):
-                    tab = copy.copy(stage_tables(micro.subgraph(cuts[j], cuts[j + 1]), mesh,
-                                                 cluster, cost_options))
-                    tab.mem = micro_memory(tab, m)  # the stage search sees GPipe's memory
-                    stages.append((tab, search_stage(tab, o)[0]))
-            except ConfigError:
-                continue
             sizes = [b - a for a, b in itertools.pairwise(cuts)]
-            plan = to_plan(graph, stages, m)
             desc = f"pipeline {k} stages x {m} micro {[len(g) for g in groups]} {how} split " \
                    f"{sizes} ops"
-            out.append((plan, desc))
-            if o.uneven and len(groups[0]) > 1 and columns_differ(cluster, plan):
-                dp = replace(plan, stages=tuple(
-                    replace(st, mesh=_fastest_first(cluster, st.mesh),
-                            signatures=("dp",) * len(st.ops)) for st in plan.stages))
+            ranges = list(itertools.pairwise(cuts))
+            if not shares_only:
+                stages = []
+                try:
+                    for (a, b), mesh in zip(ranges, meshes, strict=True):
+                        tab = copy.copy(stage_tables(micro.subgraph(a, b), mesh, cluster,
+                                                     cost_options))
+                        tab.mem = micro_memory(tab, m)  # the stage search sees GPipe's memory
+                        stages.append((tab, search_stage(tab, o)[0]))
+                except ConfigError:
+                    continue
+                out.append((to_plan(graph, stages, m), desc))
+            dp = Plan(graph.name, tuple(
+                StagePlan(_fastest_first(cluster, mesh), tuple(op.name for op in graph.ops[a:b]),
+                          ("dp",) * (b - a)) for (a, b), mesh in zip(ranges, meshes, strict=True)),
+                m)
+            if o.uneven and len(groups[0]) > 1 and columns_differ(cluster, dp):
                 shares = column_shares(graph, dp, cluster, cost_options)
                 if shares is not None:
                     out.append((replace(dp, stages=tuple(replace(st, shares=shares)

@@ -29,12 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 
 from hetrain.cluster import Cluster
 from hetrain.errors import ConfigError
 from hetrain.plan.allocate import allocate
-from hetrain.plan.cost import CostOptions, Plan, StagePlan, column_stages, row_tables
+from hetrain.plan.cost import (
+    ColumnStage,
+    CostOptions,
+    Plan,
+    StagePlan,
+    column_stages,
+    row_tables,
+)
 from hetrain.plan.graph import LayerGraph
 from hetrain.plan.sbp import Mesh
 
@@ -97,12 +105,15 @@ def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:
     return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shares=shares),))
 
 
+def _alike(cluster: Cluster, device: int) -> tuple[float, float, float]:
+    d = cluster.devices[device]
+    return d.flops, d.memory_bytes, d.step_overhead_s
+
+
 def columns_differ(cluster: Cluster, plan: Plan) -> bool:
     """Whether the devices of some stage of a pipeline differ in pace or room (else its columns
     are alike and even shares are optimal)."""
-    devs = cluster.devices
-    return any(len({(devs[d].flops, devs[d].memory_bytes, devs[d].step_overhead_s)
-                    for d in st.mesh.devices}) > 1 for st in plan.stages)
+    return any(len({_alike(cluster, d) for d in st.mesh.devices}) > 1 for st in plan.stages)
 
 
 def column_shares(graph: LayerGraph, plan: Plan, cluster: Cluster,
@@ -123,11 +134,18 @@ def column_shares(graph: LayerGraph, plan: Plan, cluster: Cluster,
         return lo - slope, slope
 
     times, caps = [], []
+    priced: dict[tuple[object, ...], tuple[list[ColumnStage], list[ColumnStage]]] = {}
     for column in columns:
+        # columns of alike devices over alike links price alike
+        key = (*(_alike(cluster, d) for d in column),
+               *(cluster.link_between(a, b) for a, b in itertools.pairwise(column)))
         try:
-            lo, hi = (column_stages(graph, plan, column, u, cluster, options) for u in (1, units))
+            if key not in priced:
+                priced[key] = (column_stages(graph, plan, column, 1, cluster, options),
+                               column_stages(graph, plan, column, units, cluster, options))
         except ConfigError:
             return None
+        lo, hi = priced[key]
         lines = [affine(a.time_s, b.time_s) for a, b in zip(lo, hi, strict=True)]
         overhead = max(x.overhead_s for x in lo)
         times.append(lambda u, lines=lines, overhead=overhead: overhead + sum(
