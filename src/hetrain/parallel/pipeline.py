@@ -363,7 +363,8 @@ class PipelineExecutor:
                   for r, st in zip(ranks, plan.stages, strict=True)]
         # with shares a stage's devices are replicas that sum their gradients (and the last
         # stage its columns' losses) over the stage's group
-        sums = [dist.new_group(r) if self.shares and d > 1 else None for r in ranks]
+        sums = [dist.new_group(r, timeout=timeout) if self.shares and d > 1 else None
+                for r in ranks]
         self.module: StageModule | None = None
         self.spmd: PlanExecutor | None = None
         where = {r: (s, j) for s, rs in enumerate(ranks) for j, r in enumerate(rs)}
