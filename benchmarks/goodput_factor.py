@@ -1,17 +1,20 @@
-"""How auto's `noise_scale_factor` was chosen: auto at each factor on the SELECTION seeds.
+"""How auto's `noise_scale_factor` and `noise_scale` (its prior) were chosen: auto at each
+value of one option on the SELECTION seeds.
 
-    .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn] [--factors 1 2 3 5]
+    .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
+        [--option noise_scale_factor|noise_scale] [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
 
 auto (simulated, the workload's epochs, evaluated every 0.5 virtual s, its defaults but the
-factor) against the tuned fastest device alone, per target: the lone device's setting is the
+option) against the tuned fastest device alone, per target: the lone device's setting is the
 one goodput.py's tuning picked on these seeds, and its time to the target on each seed is the
 selection run's, read from the results file of goodput.py (`--selection`). Only selection
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
-benchmarks/results/goodput_factor{,_gpt}.{json,md}: per cluster, target and factor, the median
-(and per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss
-for text-gpt).
+benchmarks/results/goodput_factor{,_gpt}.{json,md} (noise_scale_factor) or
+goodput_prior{,_gpt}.{json,md} (noise_scale): per cluster, target and value, the median (and
+per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss for
+text-gpt).
 """
 
 from __future__ import annotations
@@ -28,11 +31,16 @@ from typing import Any
 from common import results_dir
 from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
+OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior"}
+"""The options this sweeps, and the word naming them in file names and tables."""
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mnist1d-cnn")
-    ap.add_argument("--factors", nargs="+", type=float, default=[1.0, 2.0, 3.0, 5.0])
+    ap.add_argument("--option", choices=sorted(OPTIONS), default="noise_scale_factor")
+    ap.add_argument("--values", "--factors", nargs="+", type=float,
+                    default=[1.0, 2.0, 3.0, 5.0])
     ap.add_argument("--clusters", nargs="+", default=["hetero-4", "hetero-8", "geo-16", "lab-6"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
@@ -47,8 +55,9 @@ def main() -> None:
         sys.exit(f"goodput_factor: {selection} must be goodput.py's {args.workload} results "
                  f"with selection seeds {args.seeds}")
     as_goodput = argparse.Namespace(workload=args.workload, epochs=0.0)  # its default epochs
-    jobs = [make_job(as_goodput, "auto", c, s) | {"options": {"noise_scale_factor": f}}
-            for f in args.factors for c in args.clusters for s in args.seeds]
+    opt = args.option
+    jobs = [make_job(as_goodput, "auto", c, s) | {"options": {opt: f}}
+            for f in args.values for c in args.clusters for s in args.seeds]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(run_job, jobs))
     cells: list[dict[str, Any]] = []
@@ -58,12 +67,12 @@ def main() -> None:
             batch, lr = pick(mine, t)
             lone = {r["seed"]: float(r["tta_s"][str(t)]) for r in mine
                     if (r["batch"], r["lr"]) == (batch, lr)}
-            for f in args.factors:
+            for f in args.values:
                 autos = {r["seed"]: r for r in runs if r["cluster"] == c
-                         and r["options"]["noise_scale_factor"] == f}
+                         and r["options"][opt] == f}
                 ratios = [lone[s] / tta(autos[s]["rows"], t, spec["metric"])
                           for s in args.seeds]
-                cells.append({"cluster": c, "target": t, "factor": f,
+                cells.append({"cluster": c, "target": t, opt: f,
                               "lone_setting": [batch, lr], "auto_vs_lone": ratios,
                               "median": statistics.median(ratios),
                               "final_auto": [final_metric(autos[s]["rows"], spec["metric"])
@@ -71,20 +80,21 @@ def main() -> None:
     command = "python benchmarks/goodput_factor.py " + " ".join(sys.argv[1:])
     out = results_dir()
     out.mkdir(exist_ok=True)
-    name = spec["out"].replace("goodput", "goodput_factor")
+    name = spec["out"].replace("goodput", f"goodput_{OPTIONS[opt]}")
     (out / f"{name}.json").write_text(json.dumps(
-        {"command": command, "workload": args.workload, "seeds": args.seeds, "cells": cells,
+        {"command": command, "workload": args.workload, "option": opt, "seeds": args.seeds,
+         "cells": cells,
          "runs": [{k: r[k] for k in ("cluster", "seed", "options", "rows", "strategy_stats")}
                   for r in runs]}, indent=1, default=str))
-    lines = [f"# auto's noise_scale_factor on the selection seeds (simulated, {args.workload})"
+    lines = [f"# auto's {opt} on the selection seeds (simulated, {args.workload})"
              "\n",
              f"Command: `{command}`\n",
              f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
              "(per seed); the lone TTAs are the selection runs of goodput.py's results file.\n",
-             "| cluster | target | " + " | ".join(f"factor {f:g}" for f in args.factors) + " |",
-             "|---|---|" + "---|" * len(args.factors)]
-    for i in range(0, len(cells), len(args.factors)):
-        row = cells[i:i + len(args.factors)]
+             "| cluster | target | " + " | ".join(f"{OPTIONS[opt]} {f:g}" for f in args.values)
+             + " |", "|---|---|" + "---|" * len(args.values)]
+    for i in range(0, len(cells), len(args.values)):
+        row = cells[i:i + len(args.values)]
         lines.append(f"| {row[0]['cluster']} | {row[0]['target']:g} | " + " | ".join(
             f"{x['median']:.2f} ({', '.join(f'{v:.2f}' for v in x['auto_vs_lone'])})"
             for x in row) + " |")

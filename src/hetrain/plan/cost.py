@@ -679,8 +679,8 @@ def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
     overhead) and sending the column's slice of the boundary activation to the next stage's
     device j; then each stage's gradients (and the last stage's loss) are summed over its
     devices in flat buckets, the stages at once. T = max_j (pipeline_time_s(column j's stage
-    times) + its devices' largest step overhead) + max_s sync_s. Memory: each device at its column's
-    micro-batch with every micro-batch's activations alive, within its own cap."""
+    times) + its devices' largest step overhead) + max_s sync_s. Memory: each device at its
+    column's micro-batch with every micro-batch's activations alive, within its own cap."""
     require_shares(plan, graph.batch)
     m, k = plan.n_micro, len(plan.stages)
     o = options or CostOptions()
@@ -688,6 +688,7 @@ def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,
               for share, column in zip(plan.stages[0].shares,
                                        zip(*(st.mesh.devices for st in plan.stages), strict=True),
                                        strict=True)]
+
     def column_s(c: list[ColumnStage]) -> float:
         return pipeline_time_s([x.time_s for x in c], m) + max(x.overhead_s for x in c)
 
