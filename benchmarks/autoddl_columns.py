@@ -31,26 +31,21 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 import autoddl_uneven as uneven
-from common import interleaved_steps, median_range, pad_overruns, results_dir, spawned_repeats
+from common import measure_plans, median_range, per_plan_table, results_dir, spawned_repeats
 
 from hetrain.cluster import Cluster
-from hetrain.parallel.execute import make_executor
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
-from hetrain.plan.graph import gpt_graph
 from hetrain.plan.sbp import Mesh
 from hetrain.plan.search import SearchOptions, search_plan, template_plan
-from hetrain.workloads import MODELS
 from hetrain.workloads.base import cross_entropy
 
 OUT = results_dir()
@@ -62,20 +57,9 @@ CAP = 0.5
 LONE, TWIN = "lone fastest device 0 (the others idle)", "the searched pipeline without shares"
 
 
-def graph() -> Any:
-    g = GPT
-    return gpt_graph(g["n_layer"], g["n_embd"], g["n_head"], g["vocab"], g["T"], g["B"])
-
-
-def build() -> torch.nn.Module:
-    g = GPT
-    return MODELS["gpt"]((g["T"],), g["vocab"], n_layer=g["n_layer"], n_head=g["n_head"],
-                         n_embd=g["n_embd"])
-
-
-def batch(gen: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randint(0, GPT["vocab"], (b, GPT["T"]), generator=gen),
-            torch.randint(0, GPT["vocab"], (b, GPT["T"]), generator=gen))
+graph = functools.partial(uneven.graph, GPT)
+build = functools.partial(uneven.build, GPT)
+batch = functools.partial(uneven.batch, gpt=GPT)
 
 
 def solo_fit() -> tuple[float, float]:
@@ -117,23 +101,11 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
     def budget(samples: int) -> float:
         return me.compute_time_s(samples, fps)
 
-    x, y = batch(torch.Generator().manual_seed(1), GPT["B"])
-    runs = []
-    for label, plan in found.items():
-        torch.manual_seed(0)
-        ex = make_executor(build(), graph(), plan, cross_entropy, cluster=cluster,
-                           compute_budget=budget)
-        params = ex.parameters()
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False) if params else None
-        runs.append((label, ex, opt, []))
-    interleaved_steps(steps, [(functools.partial(ex.step, x, y, opt), times)
-                              for _, ex, opt, times in runs])
-    total = torch.tensor([float(pad_overruns(ex)) for _, ex, _, _ in runs])
-    dist.all_reduce(total)  # every rank's, summed, per plan
+    measured, overruns = measure_plans(found, build, graph(), cluster, budget,
+                                       batch(torch.Generator().manual_seed(1), GPT["B"]), steps)
     return {"calibration": calib, "plans": {k: p.to_dict() for k, p in found.items()},
             "searched": searched,
-            "measured": {label: statistics.median(t) for label, _, _, t in runs},
-            "overruns": {label: int(n) for (label, *_), n in zip(runs, total.tolist(), strict=True)}}
+            "measured": measured, "overruns": overruns}
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
@@ -196,20 +168,7 @@ def write(repeats: list[dict[str, Any]], steps: int, cmd: str) -> None:
           f"{median_range([s['twin_over_searched'] for s in ss], '.2f')} | "
           f"{median_range([s['predicted_twin_over_searched'] for s in ss], '.2f')} | "
           f"{median_range([s['spearman'] for s in ss], '.3f')} |", "",
-          "Searched per repeat: " + ", ".join(f"`{s['searched']}`" for s in ss), "",
-          "Fastest fitting per repeat: " + ", ".join(f"`{s['best']}`" for s in ss), "",
-          "Overruns: micro-batches (pipelines) or steps (one-stage plans) x ranks whose real "
-          "compute exceeded the emulated budget, summed over repeats.", "",
-          "## Per plan (repeat 0's prediction; measured median over repeats)", "",
-          "| plan | fits | memory MB | predicted s | measured s | spread | overruns |",
-          "|---|---|---|---|---|---|---|"]
-    for row in sorted(ss[0]["rows"], key=lambda r: (not r["fits"], r["predicted_s"])):
-        ms = [next(x["measured_s"] for x in s["rows"] if x["plan"] == row["plan"]) for s in ss
-              if any(x["plan"] == row["plan"] for x in s["rows"])]
-        over = sum(r["result"]["overruns"].get(row["plan"], 0) for r in repeats)
-        md.append(f"| {row['plan']} | {'yes' if row['fits'] else 'no'} | {row['memory_mb']:.1f} "
-                  f"| {row['predicted_s']:.4f} | {statistics.median(ms):.4f} "
-                  f"| {min(ms):.4f}-{max(ms):.4f} | {over} |")
+          *per_plan_table(repeats)]
     (OUT / "autoddl_columns.md").write_text("\n".join(md) + "\n")
 
 

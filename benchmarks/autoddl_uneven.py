@@ -64,13 +64,14 @@ LONE = "lone fastest device 3 (the others idle)"
 EVEN = "even data parallel over 4"
 
 
-def graph() -> Any:
-    g = GPT
+def graph(gpt: dict[str, int] | None = None) -> Any:
+    """The layer graph of `gpt` (sizes as GPT's keys; default this benchmark's GPT)."""
+    g = gpt or GPT
     return gpt_graph(g["n_layer"], g["n_embd"], g["n_head"], g["vocab"], g["T"], g["B"])
 
 
-def build() -> torch.nn.Module:
-    g = GPT
+def build(gpt: dict[str, int] | None = None) -> torch.nn.Module:
+    g = gpt or GPT
     return MODELS["gpt"]((g["T"],), g["vocab"], n_layer=g["n_layer"], n_head=g["n_head"],
                          n_embd=g["n_embd"])
 
@@ -79,8 +80,9 @@ def flops_per_sample() -> float:
     return training_flops_per_sample(graph())
 
 
-def batch(gen: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = GPT
+def batch(gen: torch.Generator, b: int,
+          gpt: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    g = gpt or GPT
     return (torch.randint(0, g["vocab"], (b, g["T"]), generator=gen),
             torch.randint(0, g["vocab"], (b, g["T"]), generator=gen))
 

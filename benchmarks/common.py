@@ -85,3 +85,59 @@ def interleaved_steps(steps: int, runs: list[tuple[Callable[[], Any], list[float
 def median_range(xs: list[float], spec: str = ".2f") -> str:
     """"median (min-max)" of per-repeat or per-seed figures, each formatted with `spec`."""
     return f"{format(statistics.median(xs), spec)} ({format(min(xs), spec)}-{format(max(xs), spec)})"
+
+
+def measure_plans(plans: dict[str, Any], build: Callable[[], Any], graph: Any, cluster: Any,
+                  budget: Callable[[int], float], batch: tuple[Any, Any],
+                  steps: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Every plan (label -> hetrain Plan) built on this process group with the same seed and
+    emulated compute `budget`, AdamW (lr 1e-3), `steps` timed steps on `batch` interleaved
+    (interleaved_steps); (label -> median step seconds, label -> overruns of every rank).
+    Collective: call on every rank."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from hetrain.parallel.execute import make_executor
+    from hetrain.workloads.base import cross_entropy
+
+    runs = []
+    for label, plan in plans.items():
+        torch.manual_seed(0)
+        ex = make_executor(build(), graph, plan, cross_entropy, cluster=cluster,
+                           compute_budget=budget)
+        params = ex.parameters()
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False) if params else None
+        runs.append((label, ex, opt, []))
+    x, y = batch
+    interleaved_steps(steps, [(functools.partial(ex.step, x, y, opt), times)
+                              for _, ex, opt, times in runs])
+    total = torch.tensor([float(pad_overruns(ex)) for _, ex, _, _ in runs])
+    dist.all_reduce(total)  # every rank's, summed, per plan
+    return ({label: statistics.median(t) for label, _, _, t in runs},
+            {label: int(n) for (label, *_), n in zip(runs, total.tolist(), strict=True)})
+
+
+def per_plan_table(repeats: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: the searched and the fastest fitting plan per repeat, then a table of
+    every plan of repeat 0 (its prediction; fitting plans first, by predicted time) with the
+    median and spread of its measured step time over the repeats and its overruns summed
+    over them. Each repeat's summary holds `searched`, `best` and `rows` of plan,
+    predicted_s, fits, measured_s, memory_mb."""
+    ss = [r["summary"] for r in repeats]
+    md = ["Searched per repeat: " + ", ".join(f"`{s['searched']}`" for s in ss), "",
+          "Fastest fitting per repeat: " + ", ".join(f"`{s['best']}`" for s in ss), "",
+          "Overruns: micro-batches (pipelines) or steps (one-stage plans) x ranks whose real "
+          "compute exceeded the emulated budget, summed over repeats.", "",
+          "## Per plan (repeat 0's prediction; measured median over repeats)", "",
+          "| plan | fits | memory MB | predicted s | measured s | spread | overruns |",
+          "|---|---|---|---|---|---|---|"]
+    for row in sorted(ss[0]["rows"], key=lambda r: (not r["fits"], r["predicted_s"])):
+        ms = [next(x["measured_s"] for x in s["rows"] if x["plan"] == row["plan"]) for s in ss
+              if any(x["plan"] == row["plan"] for x in s["rows"])]
+        over = sum(r["result"]["overruns"].get(row["plan"], 0) for r in repeats)
+        md.append(f"| {row['plan']} | {'yes' if row['fits'] else 'no'} | {row['memory_mb']:.1f} "
+                  f"| {row['predicted_s']:.4f} | {statistics.median(ms):.4f} "
+                  f"| {min(ms):.4f}-{max(ms):.4f} | {over} |")
+    return md

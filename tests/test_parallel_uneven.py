@@ -307,6 +307,23 @@ def test_a_column_pipeline_is_checked_laid_out_and_credited_per_column() -> None
 
 
 # ---- hetrain run ------------------------------------------------------------------------------
+def _run_plan_files(tmp_path: Path, plans: dict[str, Plan], devices: str) -> dict[str, list]:  # type: ignore[type-arg]
+    """`hetrain run` (0.2 epochs) under each plan saved as a plan file on the cluster of
+    `devices`; each run's metrics rows."""
+    from test_parallel_run import hetrain, rows, write_config
+
+    got = {}
+    for name, plan in plans.items():
+        plan.save(tmp_path / f"{name}.json", {"devices": devices.count("name =")})
+        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
+                           devices=devices)
+        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
+                    "--no-plot")
+        assert r.returncode == 0, r.stderr
+        got[name] = rows(tmp_path / "runs" / name)
+    return got
+
+
 @pytest.mark.dist
 @pytest.mark.slow  # two runs (~25 s); test_hetrain_run_auto_plan_... covers the path by default
 @pytest.mark.timeout(300)
@@ -316,21 +333,13 @@ def test_hetrain_run_trains_under_a_plan_file_with_shares(tmp_path: Path) -> Non
     trains like the even data-parallel plan (same batches, same mean loss). Speeds are
     emulated (dist.emulate = "cluster", the default): every step lasts at least the slowest
     row's padded compute, 2 samples on the slow device (4 under the even plan)."""
-    from test_parallel_run import hetrain, rows, vocab, write_config
+    from test_parallel_run import vocab
 
     devices = ('{ name = "slow", flops = 2e8, memory_bytes = 2000000 }, '
                '{ name = "fast", flops = 6e8, memory_bytes = 2000000 }')
     graph = gpt_graph(2, 32, 2, vocab(), 32, 8)
     even = template_plan(graph, Mesh((2,), (0, 1)), "dp")
-    got = {}
-    for name, plan in (("shares", _with_shares(even, 2, 6)), ("even", even)):
-        plan.save(tmp_path / f"{name}.json", {"devices": 2})
-        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
-                           devices=devices)
-        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
-                    "--no-plot")
-        assert r.returncode == 0, r.stderr
-        got[name] = rows(tmp_path / "runs" / name)
+    got = _run_plan_files(tmp_path, {"shares": _with_shares(even, 2, 6), "even": even}, devices)
     run_dir = tmp_path / "runs" / "shares"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parallel"]["plan"]["stages"][0]["shares"] == [2, 6]
@@ -358,7 +367,7 @@ def test_hetrain_run_trains_a_column_pipeline_from_a_plan_file(tmp_path: Path) -
     """Devices 0 and 2 three times faster than 1 and 3: the plan file's 2-stage pipeline
     gives column (0, 2) 6 of every 8 samples. The run evaluates, checkpoints the whole model
     and summarises, and trains like the same pipeline with even data-parallel stages."""
-    from test_parallel_run import hetrain, rows, vocab, write_config
+    from test_parallel_run import vocab
 
     devices = ", ".join(f'{{ name = "d{i}", flops = {f}, memory_bytes = 2000000 }}'
                         for i, f in enumerate(("6e8", "2e8", "6e8", "2e8")))
@@ -366,15 +375,7 @@ def test_hetrain_run_trains_a_column_pipeline_from_a_plan_file(tmp_path: Path) -
     columns = _column_pipeline(graph, (6, 2))
     even = dataclasses.replace(columns, stages=tuple(dataclasses.replace(st, shares=())
                                                      for st in columns.stages))
-    got = {}
-    for name, plan in (("columns", columns), ("even", even)):
-        plan.save(tmp_path / f"{name}.json", {"devices": 4})
-        cfg = write_config(tmp_path, name, epochs=0.2, parallel=f'plan = "{name}.json"',
-                           devices=devices)
-        r = hetrain("run", str(cfg), "--runs-dir", str(tmp_path / "runs"), "--quiet",
-                    "--no-plot")
-        assert r.returncode == 0, r.stderr
-        got[name] = rows(tmp_path / "runs" / name)
+    got = _run_plan_files(tmp_path, {"columns": columns, "even": even}, devices)
     run_dir = tmp_path / "runs" / "columns"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parallel"]["layout"].endswith("batch shares [6, 2], 2 micro-batches")
