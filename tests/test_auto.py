@@ -156,6 +156,24 @@ def test_the_planner_scales_the_measured_noise_by_the_lr_rules_factor(
     assert s._stat().noise_scale == pytest.approx(factor * measured)
 
 
+@pytest.mark.parametrize(("optimizer", "options", "prior"),
+                         [("sgd", {}, 32.0), ("adamw", {}, 8.0), ("adam", {"min_batch": 4}, 4.0),
+                          ("adamw", {"noise_scale": 50.0}, 50.0)])
+def test_the_prior_noise_scale_follows_the_lr_rule(optimizer: str, options: dict[str, float],
+                                                   prior: float) -> None:
+    """Before enough probes the planner plans at the prior: train.batch_size (32 here) for
+    SGD, the smallest batch it considers for Adam-type optimizers (each chosen on its
+    workload's selection seeds); a set noise_scale is used as given. With Adam on hetero-4
+    the first plan is then the smallest batch."""
+    from dataclasses import replace
+
+    s = make_strategy("auto", **options)
+    s.setup(replace(_ctx(preset("hetero-4")), optimizer=optimizer))
+    assert s._stat().noise_scale == prior
+    if optimizer != "sgd" and not options:
+        assert s.global_batch == s.min_batch
+
+
 def test_a_lost_worker_is_planned_out() -> None:
     s = make_strategy("auto")
     s.setup(_ctx(preset("hetero-4")))

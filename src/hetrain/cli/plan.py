@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="explain the auto strategy's plan for a run config (default: the demo)")
     p.add_argument("--noise-scale", type=float, default=0.0,
                    help="--goodput: plan at this gradient noise scale (default: the prior, "
-                   "train.batch_size; a run measures it as it trains)")
+                   "train.batch_size with SGD, the smallest batch with Adam-type optimizers; "
+                   "a run measures it as it trains)")
     p.set_defaults(func=main)
 
 

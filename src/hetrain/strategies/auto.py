@@ -11,7 +11,8 @@ as the noise scale grows, G (and with it the useful cluster) grows.
 
 How it runs:
   * setup: the planner searches every PS site, G and H with the noise-scale prior
-    (`noise_scale`, default the base batch) on the cluster model; the PS moves to the chosen
+    (`noise_scale`; default the base batch for SGD, min_batch for Adam-type optimizers) on
+    the cluster model; the PS moves to the chosen
     site (the simulator moves it; the real engine logs where rank 0 should run).
   * every task probes the gradient noise on its first batch (WorkTask.probe_noise); the probes
     feed a bias-corrected moving average (GradientNoiseScale).
@@ -71,9 +72,18 @@ class Auto(CADP):
 
     name = "auto"
 
-    noise_scale: Annotated[float, non_negative().with_note("0: train.batch_size")] = 0.0
+    noise_scale: Annotated[float, non_negative().with_note(
+        "0: train.batch_size with the adascale lr rule, min_batch with sqrt")] = 0.0
     """Prior noise scale (samples, in the planner's terms: after noise_scale_factor) for the
-    plans before enough probes; 0: train.batch_size."""
+    plans before enough probes; 0: by the lr rule, chosen on the goodput benchmark's
+    selection seeds (benchmarks/goodput_factor.py --option noise_scale, 8 against 32).
+    SGD (adascale): train.batch_size; on MNIST-1D the prior 8 was slower in 5 of 8 cells,
+    tied in one (hetero-8 to 85%: 1.50x against 1.75x the tuned lone device;
+    results/goodput_prior.md).
+    Adam/AdamW (sqrt): min_batch; on the tiny GPT the prior 8 reached both loss targets
+    sooner in all 8 cells (hetero-8 to loss 2.4: 1.52x against 1.31x;
+    results/goodput_prior_gpt.md): the first plan, kept until two checks agree on a better
+    one, starts small and the measured noise scale grows it."""
     noise_scale_factor: Annotated[float, non_negative().with_note(
         "0: 3 with the adascale lr rule, 1 with sqrt")] = 0.0
     """The planner's noise scale is this multiple of the measured simple noise scale
@@ -142,11 +152,12 @@ class Auto(CADP):
     # ---- planning -------------------------------------------------------------------------
     def setup(self, ctx: RunContext) -> None:
         self.noise = GradientNoiseScale(self.noise_ema_weight)
-        self._prior = self.noise_scale or float(ctx.batch_size)
         self._base_batch = ctx.batch_size
         rule = self.lr_rule if self.lr_rule != "auto" else (
             "adascale" if ctx.optimizer == "sgd" else "sqrt")
         self._lr_exponent = 1.0 if rule == "adascale" else 0.5
+        self._prior = self.noise_scale or float(
+            ctx.batch_size if rule == "adascale" else self.min_batch)
         self._last_noise: float | None = None
         hi = self.max_batch or max(self.min_batch, ctx.train_samples // 16)
         self._grid = batch_grid(min(self.min_batch, hi), hi)
