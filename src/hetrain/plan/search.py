@@ -17,9 +17,9 @@ device groups by site, by speed or by memory; layers cut only where the pipeline
 cut, LayerGraph.stage_starts, two ways: FLOP-proportional to group capacity, and the exact
 min-max split of the cost model's per-op stage times under each group's memory cap, so a slower
 or smaller device's stage gets fewer layers; where a stage's devices differ, also with every
-stage data parallel and per-column batch shares, shares.column_shares), and returns the fastest plan that fits every
-device's memory (memory_bytes), of equal times the one on the fewest devices, with the
-data-parallel baseline. When no candidate fits, search_plan raises one ConfigError line with
+stage data parallel and per-column batch shares, shares.column_shares), and returns the
+fastest plan that fits every device's memory (memory_bytes), of equal times the one on the
+fewest devices, with the data-parallel baseline. When no candidate fits, search_plan raises one ConfigError line with
 the leanest plan's need, its device's cap, the shortfall and the largest device's memory.
 """
 
