@@ -28,18 +28,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 import autoddl_uneven as uneven
 from autoddl_predicted_vs_measured import M4, M22
-from common import measure_plans, median_range, per_plan_table, results_dir, spawned_repeats
+from common import (
+    fitting_summary,
+    measure_plans,
+    median_range,
+    per_plan_table,
+    results_dir,
+    rewrite_from_json,
+    spawned_repeats,
+)
 
 from hetrain.cluster import Cluster
 from hetrain.plan.cost import CostOptions, Plan, plan_cost
@@ -95,23 +101,11 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
-    g, calib = uneven.graph(), res["calibration"]
-    cluster, options = capped(calib), uneven.options_of(calib)
-    rows = []
-    for label, d in res["plans"].items():
-        rep = plan_cost(g, Plan.from_dict(d), cluster, options)
-        rows.append(dict(plan=label, predicted_s=rep.time_s, fits=rep.feasible,
-                         measured_s=res["measured"][label], memory_mb=rep.memory_bytes / 1e6))
-    fit = [r for r in rows if r["fits"]]
-    best = min(fit, key=lambda r: r["measured_s"])
-    meas, s = res["measured"], res["searched"]
-    return dict(rows=rows, searched=s, best=best["plan"],
-                searched_over_best=meas[s] / best["measured_s"],
-                torchtitan_over_searched=meas[TORCHTITAN] / meas[s],
-                torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == TORCHTITAN),
-                spearman=float(spearmanr([r["predicted_s"] for r in fit],
-                                         [r["measured_s"] for r in fit])[0]),
-                n_plans=len(rows), n_fit=len(fit))
+    calib = res["calibration"]
+    summ = fitting_summary(res, uneven.graph(), capped(calib), uneven.options_of(calib))
+    meas, s, rows = res["measured"], res["searched"], summ["rows"]
+    return summ | dict(torchtitan_over_searched=meas[TORCHTITAN] / meas[s],
+                       torchtitan_fits=next(r["fits"] for r in rows if r["plan"] == TORCHTITAN))
 
 
 def main() -> None:
@@ -122,10 +116,7 @@ def main() -> None:
                     "benchmark (its repeats and command; no process started)")
     args = ap.parse_args()
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        made = ap.parse_args(shlex.split(data["command"])[2:])
-        write(data["repeats"], made.steps, data["command"],
-              " ".join([".venv/bin/python", *sys.argv]))
+        rewrite_from_json(args.from_json, ap, write)
         return
     repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, res: (
         f"searched {summ['searched']!r}: {summ['searched_over_best']:.3f}x the fastest fitting "

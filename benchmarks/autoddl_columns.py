@@ -36,11 +36,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).parent))
 import autoddl_uneven as uneven
-from common import measure_plans, median_range, per_plan_table, results_dir, spawned_repeats
+from common import (
+    fitting_summary,
+    measure_plans,
+    median_range,
+    per_plan_table,
+    results_dir,
+    rewrite_from_json,
+    spawned_repeats,
+)
 
 from hetrain.cluster import Cluster
 from hetrain.plan.cost import CostOptions, Plan, plan_cost, training_flops_per_sample
@@ -109,31 +116,24 @@ def worker(rank: int, world: int, steps: int) -> dict[str, Any]:
 
 
 def summarise(res: dict[str, Any]) -> dict[str, Any]:
-    g, calib = graph(), res["calibration"]
-    cluster, options = cluster_of(calib), uneven.options_of(calib)
-    rows = []
-    for label, d in res["plans"].items():
-        rep = plan_cost(g, Plan.from_dict(d), cluster, options)
-        rows.append(dict(plan=label, predicted_s=rep.time_s, fits=rep.feasible,
-                         measured_s=res["measured"][label], memory_mb=rep.memory_bytes / 1e6))
-    fit = [r for r in rows if r["fits"]]
-    best = min(fit, key=lambda r: r["measured_s"])
+    calib = res["calibration"]
+    summ = fitting_summary(res, graph(), cluster_of(calib), uneven.options_of(calib))
     meas, s = res["measured"], res["searched"]
-    pred = {r["plan"]: r["predicted_s"] for r in rows}
-    return dict(rows=rows, searched=s, best=best["plan"],
-                searched_over_best=meas[s] / best["measured_s"],
-                twin_over_searched=meas[TWIN] / meas[s],
-                predicted_twin_over_searched=pred[TWIN] / pred[s],
-                spearman=float(spearmanr([r["predicted_s"] for r in fit],
-                                         [r["measured_s"] for r in fit])[0]),
-                n_plans=len(rows), n_fit=len(fit))
+    pred = {r["plan"]: r["predicted_s"] for r in summ["rows"]}
+    return summ | dict(twin_over_searched=meas[TWIN] / meas[s],
+                       predicted_twin_over_searched=pred[TWIN] / pred[s])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--from-json", help="re-write the tables from a results JSON of this "
+                    "benchmark (its repeats and command; no process started)")
     args = ap.parse_args()
+    if args.from_json:
+        rewrite_from_json(args.from_json, ap, write)
+        return
     repeats = spawned_repeats(worker, (args.steps,), args.repeats, summarise, lambda summ, res: (
         f"searched {summ['searched']!r}: {summ['searched_over_best']:.3f}x the fastest fitting "
         f"({summ['best']!r}); without shares {summ['twin_over_searched']:.2f}x (predicted "
@@ -142,7 +142,10 @@ def main() -> None:
     write(repeats, args.steps, " ".join([".venv/bin/python", *sys.argv]))
 
 
-def write(repeats: list[dict[str, Any]], steps: int, cmd: str) -> None:
+def write(repeats: list[dict[str, Any]], steps: int, cmd: str,
+          rewritten_by: str | None = None) -> None:
+    """The results JSON and table; `rewritten_by`: the --from-json command that re-wrote them
+    from `cmd`'s runs."""
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "autoddl_columns.json").write_text(json.dumps(
         {"command": cmd, "gpt": GPT, "slowdown": SLOWDOWN, "k": uneven.K, "cap": CAP,
@@ -152,12 +155,17 @@ def write(repeats: list[dict[str, Any]], steps: int, cmd: str) -> None:
     md = [f"<!-- made by: {cmd} -->",
           "# A pipeline whose columns take shares by speed (speeds 4:1:4:1, half the model "
           "per device)", "",
-          f"Command: `{cmd}`; {len(repeats)} repeat(s), one spawn of 4 gloo processes each; "
+          f"Command: `{cmd}`" + (f" (tables re-written from its JSON by `{rewritten_by}`)"
+                                  if rewritten_by else "")
+          + f"; {len(repeats)} repeat(s), one spawn of 4 gloo processes each; "
           f"{steps} timed AdamW steps per plan (median), steps interleaved; GPT n_layer "
           f"{g['n_layer']}, n_embd {g['n_embd']}, batch {g['B']} x {g['T']}; compute padded to "
           f"K = {uneven.K} x slowdown x the solo time of this 2-core machine (pipeline stages "
           f"per micro-batch); loopback gloo links; every device's memory {CAP} of the whole "
-          "model's need. Same global batch and lr for every plan: a step-time comparison. "
+          "model's need. Same global batch and lr for every plan: a step-time comparison, "
+          "not time to accuracy against the fastest device tuned over batch and lr on held-out "
+          "seeds (it does not fit the memory at this batch, and may at a smaller one; "
+          "benchmarks/autoddl_tta.py makes that comparison, without memory caps). "
           "The twin is the searched pipeline's stages run without shares (each stage data "
           "parallel over its 2 devices with DTensor, an even split).", "",
           "| plans measured (fit) | searched / fastest fitting | twin without shares / "

@@ -141,3 +141,41 @@ def per_plan_table(repeats: list[dict[str, Any]]) -> list[str]:
                   f"| {row['predicted_s']:.4f} | {statistics.median(ms):.4f} "
                   f"| {min(ms):.4f}-{max(ms):.4f} | {over} |")
     return md
+
+
+def fitting_summary(res: dict[str, Any], graph: Any, cluster: Any,
+                    options: Any) -> dict[str, Any]:
+    """A measure_plans repeat (`res`: plans, measured, searched) against the cost model:
+    per plan its prediction, fit and measured time (`rows`), the fastest fitting plan
+    (`best`), the searched plan's time over it, and Spearman over the fitting plans."""
+    from scipy.stats import spearmanr
+
+    from hetrain.plan.cost import Plan, plan_cost
+
+    rows = []
+    for label, d in res["plans"].items():
+        rep = plan_cost(graph, Plan.from_dict(d), cluster, options)
+        rows.append(dict(plan=label, predicted_s=rep.time_s, fits=rep.feasible,
+                         measured_s=res["measured"][label], memory_mb=rep.memory_bytes / 1e6))
+    fit = [r for r in rows if r["fits"]]
+    best = min(fit, key=lambda r: r["measured_s"])
+    s = res["searched"]
+    return dict(rows=rows, searched=s, best=best["plan"],
+                searched_over_best=res["measured"][s] / best["measured_s"],
+                spearman=float(spearmanr([r["predicted_s"] for r in fit],
+                                         [r["measured_s"] for r in fit])[0]),
+                n_plans=len(rows), n_fit=len(fit))
+
+
+def rewrite_from_json(path: str, ap: Any, write: Callable[..., None]) -> None:
+    """Re-write a benchmark's tables from its results JSON (its repeats and command; no
+    process started): write(repeats, steps, command, rewritten_by), `ap` the benchmark's
+    parser (to read --steps back from the command)."""
+    import json
+    import shlex
+    import sys
+
+    data = json.loads(Path(path).read_text())
+    made = ap.parse_args(shlex.split(data["command"])[2:])
+    write(data["repeats"], made.steps, data["command"],
+          " ".join([".venv/bin/python", *sys.argv]))

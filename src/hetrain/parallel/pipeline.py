@@ -26,7 +26,7 @@ Batch shares (StagePlan.shares, the same on every stage, every op "dp"): column 
 of every stage, is a pipeline of its own over shares[j] samples of each batch (its n_micro
 micro-batches of shares[j] / n_micro), each device running its stage's modules plainly on
 them, so a column of faster devices takes more of the batch; each column's loss is weighted
-by shares[j] / batch and every stage sums its devices' gradients (uneven.sum_in_buckets),
+by shares[j] / batch and every stage sums its devices' gradients (uneven.sum_replica_grads),
 which gives the whole batch's mean-loss gradient on every replica, as the uneven one-stage
 executor does.
 
@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from hetrain.engine.emulate import sleep_until
 from hetrain.errors import ConfigError
 from hetrain.parallel.execute import ComputeBudget, PlanExecutor
-from hetrain.parallel.uneven import sum_in_buckets
+from hetrain.parallel.uneven import sum_replica_grads
 from hetrain.plan.cost import Plan, require_shares, stage_graphs, training_flops_per_sample
 from hetrain.plan.graph import LayerGraph
 
@@ -352,9 +352,7 @@ class PipelineExecutor:
         world, rank = dist.get_world_size(), dist.get_rank()
         ranks = stage_ranks(plan, world)
         self.n_micro, self.last_rank = m, ranks[-1][0]
-        self.shares = plan.stages[0].shares
-        if self.shares:
-            require_shares(plan, graph.batch)
+        self.shares = plan.stages[0].shares  # checked by pipeline_layout
         # every rank creates every group and mesh, in the same order (new_group's contract)
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         p2p = [_p2p_group(sorted(r[j] for r in ranks), timeout) for j in range(d)]
@@ -439,9 +437,5 @@ class PipelineExecutor:
         the stage's devices is the gradient of the whole batch's mean loss (and the last
         stage's weighted losses sum to it)."""
         assert self.module is not None
-        grads = []
-        for p in self.module.parameters():
-            if p.grad is None:  # unused this step: every device must send as many bytes
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        sum_in_buckets([*grads, loss] if self.last else grads, self.sum_group)
+        sum_replica_grads(list(self.module.parameters()), self.sum_group,
+                          *([loss] if self.last else []))

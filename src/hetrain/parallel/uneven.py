@@ -56,6 +56,20 @@ def sum_in_buckets(tensors: list[Tensor], group: dist.ProcessGroup | None) -> No
             offset += t.numel()
 
 
+def sum_replica_grads(params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                      *extra: Tensor) -> None:
+    """Sum the gradients of `params` (each replica's local part; a parameter unused this
+    step counts as zeros, so every member sends as many bytes), and `extra` tensors, over
+    `group` in buckets (sum_in_buckets)."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad
+        grads.append(g.to_local() if isinstance(g, DTensor) else g)
+    sum_in_buckets([*grads, *extra], group)
+
+
 class UnevenExecutor:
     """A plan with shares on the current process group (device ids are ranks; ranks the plan
     leaves out idle and receive the loss). Call `step(x, y)` on every rank with the same
@@ -123,14 +137,8 @@ class UnevenExecutor:
             optimizer.zero_grad(set_to_none=True)
             loss = self._forward_backward(x[a:b], y[a:b])
             with torch.no_grad():
-                grads = []
-                for p in self.model.parameters():
-                    if p.grad is None:  # unused this step: every row must send as many bytes
-                        p.grad = torch.zeros_like(p)
-                    g = p.grad
-                    grads.append(g.to_local() if isinstance(g, DTensor) else g)
                 total.fill_(float(loss.detach()))
-                sum_in_buckets([*grads, total], self.columns)
+                sum_replica_grads(list(self.model.parameters()), self.columns, total)
             optimizer.step()
         if not self.everyone:
             dist.broadcast(total, src=self.src)

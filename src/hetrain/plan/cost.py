@@ -664,11 +664,16 @@ def _device_stage(sub: LayerGraph, device: int, cluster: Cluster, options: CostO
                        tab.memory_limit_bytes, tab.overhead_s, tuple(tab.op_costs(assign)), grads)
 
 
-def _first_alike(cluster: Cluster, device: int) -> int:
-    """The first device of the cluster with this one's speed, memory and step overhead."""
+def device_kind(cluster: Cluster, device: int) -> tuple[float, float, float]:
+    """What a device computes at, as the cost model sees it: speed, memory, step overhead."""
     d = cluster.devices[device]
-    return next(i for i, x in enumerate(cluster.devices) if (x.flops, x.memory_bytes,
-                x.step_overhead_s) == (d.flops, d.memory_bytes, d.step_overhead_s))
+    return d.flops, d.memory_bytes, d.step_overhead_s
+
+
+def _first_alike(cluster: Cluster, device: int) -> int:
+    """The first device of the cluster of this one's kind (device_kind)."""
+    kind = device_kind(cluster, device)
+    return next(i for i in range(cluster.n) if device_kind(cluster, i) == kind)
 
 
 def column_pipeline_cost(graph: LayerGraph, plan: Plan, cluster: Cluster,

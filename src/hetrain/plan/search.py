@@ -409,11 +409,12 @@ def search_plan(graph: LayerGraph, cluster: Cluster, options: SearchOptions | No
                 found.append((uneven, f"mesh {mesh.label} {list(mesh.devices)} uneven shares "
                               f"{list(uneven.stages[0].shares)}"))
     if o.pipeline:
-        for groups in _pipeline_groups(cluster):
+        grouped = _pipeline_groups(cluster)
+        for groups in grouped:
             found += _search_pipeline(graph, cluster, groups, o, cost_options)
         if o.uneven:
             for groups in _column_groups(cluster):
-                if groups not in _pipeline_groups(cluster):
+                if groups not in grouped:
                     found += _search_pipeline(graph, cluster, groups, o, cost_options,
                                               shares_only=True)
     if not found:

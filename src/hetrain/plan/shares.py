@@ -41,6 +41,7 @@ from hetrain.plan.cost import (
     Plan,
     StagePlan,
     column_stages,
+    device_kind,
     row_tables,
 )
 from hetrain.plan.graph import LayerGraph
@@ -105,15 +106,10 @@ def with_shares(plan: Plan, shares: tuple[int, ...]) -> Plan:
     return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], shares=shares),))
 
 
-def _alike(cluster: Cluster, device: int) -> tuple[float, float, float]:
-    d = cluster.devices[device]
-    return d.flops, d.memory_bytes, d.step_overhead_s
-
-
 def columns_differ(cluster: Cluster, plan: Plan) -> bool:
     """Whether the devices of some stage of a pipeline differ in pace or room (else its columns
     are alike and even shares are optimal)."""
-    return any(len({_alike(cluster, d) for d in st.mesh.devices}) > 1 for st in plan.stages)
+    return any(len({device_kind(cluster, d) for d in st.mesh.devices}) > 1 for st in plan.stages)
 
 
 def column_shares(graph: LayerGraph, plan: Plan, cluster: Cluster,
@@ -137,7 +133,7 @@ def column_shares(graph: LayerGraph, plan: Plan, cluster: Cluster,
     priced: dict[tuple[object, ...], tuple[list[ColumnStage], list[ColumnStage]]] = {}
     for column in columns:
         # columns of alike devices over alike links price alike
-        key = (*(_alike(cluster, d) for d in column),
+        key = (*(device_kind(cluster, d) for d in column),
                *(cluster.link_between(a, b) for a, b in itertools.pairwise(column)))
         try:
             if key not in priced:
