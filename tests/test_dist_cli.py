@@ -65,6 +65,7 @@ def test_launch_multinode_prints_this_nodes_processes(config, capsys) -> None:
     assert "torch.distributed" not in line and "TORCHELASTIC" not in line
 
 
+@pytest.mark.slow
 def test_profile_measures_emulated_speeds(config, tmp_path) -> None:
     out, prof = tmp_path / "measured.toml", tmp_path / "profile.json"
     assert main(["profile", str(config), "--out", str(out), "--profile-out", str(prof),

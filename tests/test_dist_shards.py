@@ -131,6 +131,7 @@ def test_ps_strategies_train_on_two_shards(name: str, mnist1d_cnn_small) -> None
         assert w["bytes_sent"] / w["pushes"] == pytest.approx(s["model_bytes"], rel=0.1)
 
 
+@pytest.mark.slow
 def test_killed_worker_with_two_shards_does_not_lose_async_run(mnist1d_cnn_small) -> None:
     r = run_distributed(trio_cfg("test_async", ps_shards=2), run_dir=None, strategy=AsyncSGD(),
                         faults=fail_at(rank=1, task=3), workload=mnist1d_cnn_small)
@@ -141,6 +142,7 @@ def test_killed_worker_with_two_shards_does_not_lose_async_run(mnist1d_cnn_small
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_two_shard_checkpoint_resumes_to_the_model_of_an_uncut_run(tmp_path, sync_ps_runs,
                                                                    mnist1d_cnn_small) -> None:
     wl, full = mnist1d_cnn_small, sync_ps_runs[2]
@@ -169,6 +171,7 @@ def test_hung_worker_with_two_shards_is_dropped_after_the_timeout(mnist1d_cnn_sm
     assert r.summary["epochs"] >= 0.2 - 1e-9
 
 
+@pytest.mark.slow
 def test_topk_pushes_on_two_shards_train_and_are_sparse(mnist1d_cnn_small) -> None:
     """Each block is compressed with its own error feedback (and, with train.local_residual,
     the worker keeps its unsent progress per block): top-10% pushes still train, at about 1/6

@@ -88,6 +88,7 @@ def test_03_tiny_gpt():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_05_custom_strategy():
     out = run([str(EXAMPLES / "05_custom_strategy.py"), "--smoke"])
     assert re.search(r"post_local_sgd +accuracy .* \{'rounds': \d+\}", out)
@@ -174,6 +175,7 @@ GPT_OPTIONS = ["--model-option", "n_layer=2", "--model-option", "n_embd=32", "--
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_07_autoddl_plan_gives_faster_devices_more_samples(tmp_path):
     """The README's plan command and its run: on speeds 1:1:2:4 that each hold the model the
     search picks batch shares in proportion to speed (compute-bound: the links are fast),

@@ -182,6 +182,7 @@ def test_node_alone_says_it_cannot_reach_node0(tmp_path, started) -> None:
     assert tagged(started.tag) == []
 
 
+@pytest.mark.slow
 def test_node0_alone_says_once_that_the_others_never_joined(tmp_path, started) -> None:
     """Every rank of node 0 times out alike: one line (the node's first rank's), no c10d
     warnings, no per-rank exit lines."""

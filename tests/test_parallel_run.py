@@ -347,6 +347,7 @@ def _step_of(ckpt: Path) -> int:
     return json.loads(torch.load(ckpt, weights_only=True)["meta"])["step"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_the_last_step_and_resume_matches_the_uncut_run(
         auto_run: Path, tmp_path: Path, started) -> None:
     """A terminal's Ctrl-C reaches every process: rank 0 checkpoints the step every rank
