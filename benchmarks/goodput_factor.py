@@ -1,8 +1,8 @@
-"""How auto's `noise_scale_factor` and `noise_scale` (its prior) were chosen: auto at each
-value of one option on the SELECTION seeds.
+"""How auto's `noise_scale_factor`, `noise_scale` (its prior) and `lr_follows_noise` were
+chosen: auto at each value of one option on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
-        [--option noise_scale_factor|noise_scale] [--values 1 2 3 5]
+        [--option noise_scale_factor|noise_scale|lr_follows_noise] [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
 
@@ -12,7 +12,8 @@ one goodput.py's tuning picked on these seeds, and its time to the target on eac
 selection run's, read from the results file of goodput.py (`--selection`). Only selection
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
 benchmarks/results/goodput_factor{,_gpt}.{json,md} (noise_scale_factor) or
-goodput_prior{,_gpt}.{json,md} (noise_scale): per cluster, target and value, the median (and
+goodput_prior{,_gpt}.{json,md} (noise_scale) or goodput_lr_follow{,_gpt}.{json,md}
+(lr_follows_noise, values 1 / 0): per cluster, target and value, the median (and
 per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss for
 text-gpt).
 """
@@ -31,8 +32,10 @@ from typing import Any
 from common import results_dir
 from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
-OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior"}
+OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow"}
 """The options this sweeps, and the word naming them in file names and tables."""
+BOOLEAN = {"lr_follows_noise"}
+"""Options given as 1 / 0 on the command line."""
 
 
 def main() -> None:
@@ -56,6 +59,8 @@ def main() -> None:
                  f"with selection seeds {args.seeds}")
     as_goodput = argparse.Namespace(workload=args.workload, epochs=0.0)  # its default epochs
     opt = args.option
+    if opt in BOOLEAN:
+        args.values = [bool(v) for v in args.values]
     jobs = [make_job(as_goodput, "auto", c, s) | {"options": {opt: f}}
             for f in args.values for c in args.clusters for s in args.seeds]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
@@ -90,14 +95,17 @@ def main() -> None:
              "\n",
              f"Command: `{command}`\n",
              f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
-             "(per seed); the lone TTAs are the selection runs of goodput.py's results file.\n",
+             "(per seed); the lone TTAs are the selection runs of goodput.py's results file; "
+             "final: auto's final metric, median.\n",
              "| cluster | target | " + " | ".join(f"{OPTIONS[opt]} {f:g}" for f in args.values)
-             + " |", "|---|---|" + "---|" * len(args.values)]
+             + " | final " + " / ".join(f"{f:g}" for f in args.values) + " |",
+             "|---|---|" + "---|" * (len(args.values) + 1)]
     for i in range(0, len(cells), len(args.values)):
         row = cells[i:i + len(args.values)]
         lines.append(f"| {row[0]['cluster']} | {row[0]['target']:g} | " + " | ".join(
             f"{x['median']:.2f} ({', '.join(f'{v:.2f}' for v in x['auto_vs_lone'])})"
-            for x in row) + " |")
+            for x in row) + " | " + " / ".join(
+            f"{statistics.median(x['final_auto']):.3f}" for x in row) + " |")
     text = "\n".join(lines) + "\n"
     (out / f"{name}.md").write_text(text)
     print(text)

@@ -116,17 +116,22 @@ def test_a_blown_up_round_is_discarded_and_the_plan_backs_off(blow_up: float) ->
     assert s.stats()["discarded_rounds"] == 1
 
 
-def test_the_logged_lr_scale_is_the_one_tasks_run_with() -> None:
-    """Between switches the plan is re-evaluated at each check's noise estimate, but the lr is
-    the one set at the last switch: the metrics log that one."""
-    s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1, noise_ema_weight=1.0)
-    s.setup(_ctx(preset("hetero-4")))
-    applied = s.lr_scale
-    _run_rounds(s, 200, noise=24.0)
-    assert len(s.switches) == 1                               # the setup plan, no switch
-    assert s.goodput_plan.lr_scale != pytest.approx(applied)  # re-evaluated at noise 24
-    task = s.next_task(sorted(s._members)[0])
-    assert s.metrics()["lr_scale"] == task.lr_scale == applied
+def test_the_lr_follows_the_noise_between_switches() -> None:
+    """By default the lr scale is AdaScale's gain at every round's noise estimate, so it
+    moves between switches; with lr_follows_noise off it stays at the last switch's. Either
+    way the metrics log the scale tasks run with."""
+    for follows in (True, False):
+        s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1,
+                          noise_ema_weight=1.0, lr_follows_noise=follows)
+        s.setup(_ctx(preset("hetero-4")))
+        at_setup = s.lr_scale
+        _run_rounds(s, 200, noise=24.0)
+        assert len(s.switches) == 1                               # the setup plan, no switch
+        plan = s.goodput_plan
+        assert plan.lr_scale != pytest.approx(at_setup)           # re-evaluated at noise 24
+        expected = plan.lr_scale if follows else at_setup
+        task = s.next_task(sorted(s._members)[0])
+        assert s.metrics()["lr_scale"] == task.lr_scale == pytest.approx(expected)
 
 
 def test_adam_scales_the_lr_by_the_square_root_of_the_gain() -> None:

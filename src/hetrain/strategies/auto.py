@@ -29,10 +29,11 @@ How it runs:
   * a round whose training loss blows up (`divergence_factor`) is discarded and the plan
     backs off to the one before.
   * the learning rate is AdaScale's gain for G at the noise scale of the plan switch that set
-    G (it is not re-tuned between switches), from the batch the base lr was tuned for
-    (train.batch_size), its square root for Adam and AdamW (`lr_rule`), at most
-    `max_lr_scale` (2): the planner prices the cap, so the lr follows the batch smoothly
-    instead of running into it.
+    G (it is not re-tuned between switches unless `lr_follows_noise`), from the batch the
+    base lr was tuned for (train.batch_size), its square root for Adam and AdamW
+    (`lr_rule`), at most `max_lr_scale` (2): the planner prices the cap, so the lr follows
+    the batch smoothly instead of running into it. At a fixed G the gain moves from 1 toward
+    G / base batch as the noise scale grows.
 """
 
 from __future__ import annotations
@@ -134,6 +135,12 @@ class Auto(CADP):
     lr_rule: Literal["auto", "adascale", "sqrt"] = "auto"
     """adascale | sqrt | auto: the lr scale is AdaScale's gain r (SGD) or sqrt(r) (the
     square-root rule, for Adam-type optimizers); auto picks by the configured optimizer."""
+    lr_follows_noise: bool = False
+    """Re-evaluate the lr scale every round at the current noise estimate, not only at a
+    switch of G or H (a G below the base batch then anneals its lr as the noise grows).
+    Off by default: on the goodput benchmark's MNIST-1D selection seeds it raised auto's
+    final accuracy in 3 of 4 clusters (0.3-0.8 points; geo-16 lost 0.7) but reached 85%
+    1-20% later in all 4 (benchmarks/results/goodput_lr_follow.md)."""
     move_ps: bool = True
     """Let the planner choose the PS site (False: keep the cluster's ps_site)."""
     ship_data: bool = False
@@ -379,6 +386,8 @@ class Auto(CADP):
         """Same G and H with re-allocated shares (measured speeds): not a switch."""
         self.goodput_plan = plan
         self.mean_batch = max(1, plan.global_batch // len(plan.active))
+        if self.lr_follows_noise:
+            self.lr_scale = plan.lr_scale
 
     def on_worker_joined(self, worker: int) -> Decision | None:
         """cadp's, with a planner check at once (the device may be worth adding again: its
@@ -418,8 +427,8 @@ class Auto(CADP):
                 "planned_noise_scale": plan.noise_scale if plan else None,
                 "global_batch": plan.global_batch if plan else None,
                 "local_steps": plan.local_steps if plan else None,
-                # the scale tasks run with, set at the last switch (the plan's own figure is
-                # re-evaluated at every check's noise estimate and would not be the lr used)
+                # the scale tasks run with (without lr_follows_noise it is the last switch's,
+                # not the plan's figure re-evaluated at every check's noise estimate)
                 "lr_scale": self.lr_scale if plan else None}
 
     def stats(self) -> dict[str, float | int | str]:
