@@ -54,9 +54,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from common import spread
+from common import results_dir, spread
 
-OUT = Path(__file__).parent / "results"
 EVAL_EVERY_S = 0.5
 LONE_BATCHES = (8, 16, 32, 64)
 LONE_LR_FACTORS = (0.5, 1.0, 2.0)
@@ -254,10 +253,11 @@ def main() -> None:
     data["cells"] = summarise(data)
     spec = WORKLOADS[data["workload"]]
     out = args.out or spec["out"]
-    OUT.mkdir(exist_ok=True)
-    (OUT / f"{out}.json").write_text(json.dumps(data, indent=1, default=str))
+    where = results_dir()
+    where.mkdir(exist_ok=True)
+    (where / f"{out}.json").write_text(json.dumps(data, indent=1, default=str))
     text = markdown(data)
-    (OUT / f"{out}.md").write_text(text)
+    (where / f"{out}.md").write_text(text)
     print(text)
 
 
@@ -364,6 +364,16 @@ def rerun_auto(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any
     return {**kept, "runs": runs, "auto_rerun": command}
 
 
+def provenance(saved: dict[str, Any] | None, command: str) -> dict[str, str]:
+    """The commands that made a results file: a fresh run's, or a saved file's with this
+    widening added (its auto re-run and earlier widenings stay)."""
+    if saved is None:
+        return {"command": command}
+    kept = {k: saved[k] for k in ("command", "auto_rerun") if k in saved}
+    return kept | {"widened": f"{saved['widened']}, then {command}" if "widened" in saved
+                   else command}
+
+
 def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> dict[str, Any]:
     """Tune the lone device, then run every system on the held-out seeds; with `saved` (a
     results file of the same settings) only what it lacks is run."""
@@ -395,8 +405,7 @@ def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> di
     grid = {first[k]: sorted({(r["batch"], r["lr"]) for r in selection
                               if lone_key(r["cluster"]) == k}) for k in sorted(first)}
     command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
-    return {"command": saved["command"] if saved else command,
-            **({"widened": command} if saved else {}),
+    return {**provenance(saved, command),
             "workload": args.workload, "clusters": args.clusters,
             "select_seeds": args.select_seeds, "report_seeds": args.report_seeds,
             "epochs": args.epochs or spec["epochs"], "eval_every_s": EVAL_EVERY_S,

@@ -1,8 +1,10 @@
 """How auto's `noise_scale_factor`, `noise_scale` (its prior) and `lr_follows_noise` were
-chosen: auto at each value of one option on the SELECTION seeds.
+chosen, and what `min_batch` and the base lr would change: auto at each value of one option
+on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
-        [--option noise_scale_factor|noise_scale|lr_follows_noise] [--values 1 2 3 5]
+        [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|lr]
+        [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
 
@@ -11,11 +13,11 @@ option) against the tuned fastest device alone, per target: the lone device's se
 one goodput.py's tuning picked on these seeds, and its time to the target on each seed is the
 selection run's, read from the results file of goodput.py (`--selection`). Only selection
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
-benchmarks/results/goodput_factor{,_gpt}.{json,md} (noise_scale_factor) or
-goodput_prior{,_gpt}.{json,md} (noise_scale) or goodput_lr_follow{,_gpt}.{json,md}
-(lr_follows_noise, values 1 / 0): per cluster, target and value, the median (and
-per-seed values) of lone TTA / auto TTA, and auto's final metric (accuracy, or test loss for
-text-gpt).
+benchmarks/results/goodput_<word>{,_gpt}.{json,md}, <word> naming the option (OPTIONS:
+factor, prior, lr_follow with values 1 / 0, min_batch, base_lr: the optimizer's base lr,
+not an auto option, for how far auto's own lr is from its best): per cluster, target and
+value, the median (and per-seed values) of lone TTA / auto TTA, and auto's final metric
+(accuracy, or test loss for text-gpt).
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from typing import Any
 from common import results_dir
 from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
-OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow"}
-"""The options this sweeps, and the word naming them in file names and tables."""
+OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow",
+           "min_batch": "min_batch", "lr": "base_lr"}
+"""The options this sweeps, and the word naming them in file names and tables; `lr` is not
+auto's but the optimizer's base lr (the lr auto scales from): how far auto's own lr is from
+its best."""
 BOOLEAN = {"lr_follows_noise"}
 """Options given as 1 / 0 on the command line."""
+INTEGER = {"min_batch"}
 
 
 def main() -> None:
@@ -61,8 +67,17 @@ def main() -> None:
     opt = args.option
     if opt in BOOLEAN:
         args.values = [bool(v) for v in args.values]
-    jobs = [make_job(as_goodput, "auto", c, s) | {"options": {opt: f}}
-            for f in args.values for c in args.clusters for s in args.seeds]
+    elif opt in INTEGER:
+        args.values = [int(v) for v in args.values]
+    def job(cluster: str, seed: int, value: Any) -> dict[str, Any]:
+        if opt == "lr":
+            return make_job(as_goodput, "auto", cluster, seed, lr=value) | {"options": {}}
+        return make_job(as_goodput, "auto", cluster, seed) | {"options": {opt: value}}
+
+    def value_of(run: dict[str, Any]) -> Any:
+        return run["lr"] if opt == "lr" else run["options"][opt]
+
+    jobs = [job(c, s, f) for f in args.values for c in args.clusters for s in args.seeds]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(run_job, jobs))
     cells: list[dict[str, Any]] = []
@@ -74,7 +89,7 @@ def main() -> None:
                     if (r["batch"], r["lr"]) == (batch, lr)}
             for f in args.values:
                 autos = {r["seed"]: r for r in runs if r["cluster"] == c
-                         and r["options"][opt] == f}
+                         and value_of(r) == f}
                 ratios = [lone[s] / tta(autos[s]["rows"], t, spec["metric"])
                           for s in args.seeds]
                 cells.append({"cluster": c, "target": t, opt: f,
@@ -89,7 +104,8 @@ def main() -> None:
     (out / f"{name}.json").write_text(json.dumps(
         {"command": command, "workload": args.workload, "option": opt, "seeds": args.seeds,
          "cells": cells,
-         "runs": [{k: r[k] for k in ("cluster", "seed", "options", "rows", "strategy_stats")}
+         "runs": [{k: r[k] for k in ("cluster", "seed", "lr", "options", "rows",
+                                     "strategy_stats")}
                   for r in runs]}, indent=1, default=str))
     lines = [f"# auto's {opt} on the selection seeds (simulated, {args.workload})"
              "\n",
