@@ -69,6 +69,7 @@ def main() -> None:
         args.values = [bool(v) for v in args.values]
     elif opt in INTEGER:
         args.values = [int(v) for v in args.values]
+
     def job(cluster: str, seed: int, value: Any) -> dict[str, Any]:
         if opt == "lr":
             return make_job(as_goodput, "auto", cluster, seed, lr=value) | {"options": {}}

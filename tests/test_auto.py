@@ -117,8 +117,8 @@ def test_a_blown_up_round_is_discarded_and_the_plan_backs_off(blow_up: float) ->
 
 
 def test_the_lr_follows_the_noise_between_switches() -> None:
-    """By default the lr scale is AdaScale's gain at every round's noise estimate, so it
-    moves between switches; with lr_follows_noise off it stays at the last switch's. Either
+    """With lr_follows_noise the lr scale is AdaScale's gain at every round's noise estimate,
+    so it moves between switches; without (the default) it stays at the last switch's. Either
     way the metrics log the scale tasks run with."""
     for follows in (True, False):
         s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1,

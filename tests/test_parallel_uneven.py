@@ -141,10 +141,12 @@ def trained() -> dict:
 def test_a_slow_device_emulated_by_its_compute_budget_delays_every_rank(trained) -> None:  # type: ignore[no-untyped-def]
     """The padding sits before the gradient sync: rank 0 waits for rank 3's emulated
     compute; the padding changes no number. Ranks leave a barrier a few ms apart (rank 3's
-    0.3 s may start before rank 0's clock: 0.299 s was seen), hence 0.28."""
+    0.3 s may start before rank 0's clock: 0.299 s was seen), hence 0.28. The budget is a
+    total, not an addition: on a loaded machine the unpadded step took 0.12 s and the padded
+    one 0.31 s, so the margin over the unpadded step is 0.1 (with padding off it is ~0)."""
     for loss, plain, took, unpadded in trained["padded"][1]:
         assert loss == plain
-        assert took >= 0.28 and took - unpadded >= 0.2
+        assert took >= 0.28 and took - unpadded >= 0.1
 
 
 @pytest.mark.dist
