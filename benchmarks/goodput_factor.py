@@ -3,10 +3,12 @@ chosen, and what `min_batch` and the base lr would change: auto at each value of
 on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
-        [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|lr]
+        [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|
+                  local_step_penalty|lr]
         [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
+        [--with OPTION=VALUE ...] [--out NAME]
 
 auto (simulated, the workload's epochs, evaluated every 0.5 virtual s, its defaults but the
 option) against the tuned fastest device alone, per target: the lone device's setting is the
@@ -14,10 +16,12 @@ one goodput.py's tuning picked on these seeds, and its time to the target on eac
 selection run's, read from the results file of goodput.py (`--selection`). Only selection
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
 benchmarks/results/goodput_<word>{,_gpt}.{json,md}, <word> naming the option (OPTIONS:
-factor, prior, lr_follow with values 1 / 0, min_batch, base_lr: the optimizer's base lr,
+factor, prior, lr_follow with values 1 / 0, min_batch, penalty, base_lr: the optimizer's base lr,
 not an auto option, for how far auto's own lr is from its best): per cluster, target and
 value, the median (and per-seed values) of lone TTA / auto TTA, and auto's final metric
-(accuracy, or test loss for text-gpt).
+(accuracy, or test loss for text-gpt). `--with` holds other auto options fixed in every run
+(e.g. the prior, `noise_scale=8`, which by default moves with min_batch for Adam), `--out`
+names the results files instead.
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ from common import results_dir
 from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
 OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow",
-           "min_batch": "min_batch", "lr": "base_lr"}
+           "min_batch": "min_batch", "local_step_penalty": "penalty", "lr": "base_lr"}
 """The options this sweeps, and the word naming them in file names and tables; `lr` is not
 auto's but the optimizer's base lr (the lr auto scales from): how far auto's own lr is from
 its best."""
 BOOLEAN = {"lr_follows_noise"}
 """Options given as 1 / 0 on the command line."""
-INTEGER = {"min_batch"}
+INTEGER = {"min_batch", "min_device_batch"}
 
 
 def main() -> None:
@@ -55,6 +59,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--selection", type=Path, default=None,
                     help="goodput.py's results file of the workload (default: its own)")
+    ap.add_argument("--with", dest="fixed", nargs="+", default=[], metavar="OPTION=VALUE",
+                    help="auto options held at these values in every run (e.g. noise_scale=8)")
+    ap.add_argument("--out", default="", help="results name (default: goodput_<word>[_gpt])")
     args = ap.parse_args()
     spec = WORKLOADS[args.workload]
     selection = args.selection or Path(__file__).parent / "results" / f"{spec['out']}.json"
@@ -70,10 +77,12 @@ def main() -> None:
     elif opt in INTEGER:
         args.values = [int(v) for v in args.values]
 
+    fixed = dict(fixed_option(text) for text in args.fixed)
+
     def job(cluster: str, seed: int, value: Any) -> dict[str, Any]:
         if opt == "lr":
-            return make_job(as_goodput, "auto", cluster, seed, lr=value) | {"options": {}}
-        return make_job(as_goodput, "auto", cluster, seed) | {"options": {opt: value}}
+            return make_job(as_goodput, "auto", cluster, seed, lr=value) | {"options": fixed}
+        return make_job(as_goodput, "auto", cluster, seed) | {"options": fixed | {opt: value}}
 
     def value_of(run: dict[str, Any]) -> Any:
         return run["lr"] if opt == "lr" else run["options"][opt]
@@ -101,9 +110,10 @@ def main() -> None:
     command = "python benchmarks/goodput_factor.py " + " ".join(sys.argv[1:])
     out = results_dir()
     out.mkdir(exist_ok=True)
-    name = spec["out"].replace("goodput", f"goodput_{OPTIONS[opt]}")
+    name = args.out or spec["out"].replace("goodput", f"goodput_{OPTIONS[opt]}")
     (out / f"{name}.json").write_text(json.dumps(
-        {"command": command, "workload": args.workload, "option": opt, "seeds": args.seeds,
+        {"command": command, "workload": args.workload, "option": opt, "fixed": fixed,
+         "seeds": args.seeds,
          "cells": cells,
          "runs": [{k: r[k] for k in ("cluster", "seed", "lr", "options", "rows",
                                      "strategy_stats")}
@@ -111,6 +121,7 @@ def main() -> None:
     lines = [f"# auto's {opt} on the selection seeds (simulated, {args.workload})"
              "\n",
              f"Command: `{command}`\n",
+             *([f"Held in every run: {fixed}\n"] if fixed else []),
              f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
              "(per seed); the lone TTAs are the selection runs of goodput.py's results file; "
              "final: auto's final metric, median.\n",
@@ -126,6 +137,16 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     (out / f"{name}.md").write_text(text)
     print(text)
+
+
+def fixed_option(text: str) -> tuple[str, Any]:
+    """`name=value` of `--with`, typed like the option."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        sys.exit(f"goodput_factor: --with takes OPTION=VALUE, got '{text}'")
+    if name in BOOLEAN:
+        return name, value.lower() in ("1", "true")
+    return name, int(value) if name in INTEGER else float(value)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The goodput benchmark's bookkeeping (benchmarks/goodput.py): how the lone grid widens and
 what a widened results file says made it."""
 
+import math
 import sys
 from pathlib import Path
 
@@ -27,3 +28,38 @@ def test_widening_keeps_the_files_provenance() -> None:
     twice = provenance(once | {"runs": []}, "goodput.py --widen-json g.json")
     assert twice["widened"] == "goodput.py --widen-json f.json, then goodput.py --widen-json g.json"
     assert twice["auto_rerun"] == rerun["auto_rerun"] and "runs" not in twice
+
+
+def test_the_ceiling_takes_the_batch_whose_rounds_cost_least() -> None:
+    from goodput_ceiling import ceiling
+
+    lone = {4: 10.0, 8: 12.0}                 # the lone device's TTA at each batch
+    step = {4: 1.0, 8: 1.5}                   # its step time there
+    rounds = {4: 0.6, 8: 0.8}                 # the cluster's round at the same batch
+    speedup, batch = ceiling(lone, step, rounds, tuned_tta=9.0)
+    assert batch == 4 and speedup == 9.0 / 6.0   # 10 x 0.6 / 1.0 = 6 < 12 x 0.8 / 1.5 = 6.4
+
+
+def test_two_equal_devices_halve_the_compute_of_a_round() -> None:
+    from goodput_ceiling import shortest_round_s
+
+    from hetrain.cluster import homogeneous
+    from hetrain.plan.goodput import cluster_costs
+
+    pair, fps, model_bytes = homogeneous(2), 1e6, 4_000_000
+    dev = pair.devices[0]
+    free = shortest_round_s(pair, 16, fps, model_bytes, free_links=True)
+    assert free == dev.compute_time_s(8, fps)         # 8 samples each, no link cost
+    linked = shortest_round_s(pair, 16, fps, model_bytes, free_links=False)
+    c = cluster_costs(pair, pair.ps_site, fps, model_bytes)
+    both = c.comm_s[0] + dev.compute_time_s(8, fps) + 2 * c.member_s
+    alone = c.comm_s[0] + dev.compute_time_s(16, fps) + c.member_s
+    assert free < linked and math.isclose(linked, min(both, alone))
+
+
+def test_fixed_options_are_typed_like_the_option() -> None:
+    from goodput_factor import fixed_option
+
+    assert fixed_option("noise_scale=8") == ("noise_scale", 8.0)
+    assert fixed_option("min_batch=4") == ("min_batch", 4)
+    assert fixed_option("lr_follows_noise=1") == ("lr_follows_noise", True)
