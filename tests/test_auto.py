@@ -162,21 +162,32 @@ def test_the_planner_scales_the_measured_noise_by_the_lr_rules_factor(
 
 
 @pytest.mark.parametrize(("optimizer", "options", "prior"),
-                         [("sgd", {}, 32.0), ("adamw", {}, 8.0), ("adam", {"min_batch": 4}, 4.0),
+                         [("sgd", {}, 32.0), ("adamw", {}, 16.0), ("adam", {"min_batch": 4}, 16.0),
                           ("adamw", {"noise_scale": 50.0}, 50.0)])
 def test_the_prior_noise_scale_follows_the_lr_rule(optimizer: str, options: dict[str, float],
                                                    prior: float) -> None:
     """Before enough probes the planner plans at the prior: train.batch_size (32 here) for
-    SGD, the smallest batch it considers for Adam-type optimizers (each chosen on its
-    workload's selection seeds); a set noise_scale is used as given. With Adam on hetero-4
-    the first plan is then the smallest batch."""
+    SGD, 16 for Adam-type optimizers whatever min_batch is (each chosen on its workload's
+    selection seeds); a set noise_scale is used as given."""
     from dataclasses import replace
 
     s = make_strategy("auto", **options)
     s.setup(replace(_ctx(preset("hetero-4")), optimizer=optimizer))
     assert s._stat().noise_scale == prior
-    if optimizer != "sgd" and not options:
-        assert s.global_batch == s.min_batch
+
+
+@pytest.mark.parametrize(("optimizer", "options", "smallest"),
+                         [("sgd", {}, 8), ("adamw", {}, 2), ("adam", {"min_batch": 4}, 4),
+                          ("sgd", {"min_batch": 3}, 3)])
+def test_the_smallest_batch_follows_the_lr_rule(optimizer: str, options: dict[str, int],
+                                                smallest: int) -> None:
+    """min_batch 0: the planner's batches start at 8 for SGD, at 2 for Adam-type optimizers
+    (the tiny GPT's lone device is fastest at batch 2-4); a set min_batch is used as given."""
+    from dataclasses import replace
+
+    s = make_strategy("auto", **options)
+    s.setup(replace(_ctx(preset("hetero-4")), optimizer=optimizer))
+    assert s._grid[0] == smallest and s.global_batch >= smallest
 
 
 def test_a_lost_worker_is_planned_out() -> None:

@@ -11,9 +11,10 @@ as the noise scale grows, G (and with it the useful cluster) grows.
 
 How it runs:
   * setup: the planner searches every PS site, G and H with the noise-scale prior
-    (`noise_scale`; default the base batch for SGD, min_batch for Adam-type optimizers) on
-    the cluster model; the PS moves to the chosen
-    site (the simulator moves it; the real engine logs where rank 0 should run).
+    (`noise_scale`; default the base batch for SGD, 16 for Adam-type optimizers) over global
+    batches from `min_batch` (8 for SGD, 2 for Adam-type) on the cluster model; the PS
+    moves to the chosen site (the simulator moves it; the real engine logs where rank 0
+    should run).
   * every task probes the gradient noise on its first batch (WorkTask.probe_noise); the probes
     feed a bias-corrected moving average (GradientNoiseScale).
   * every round the shares are re-allocated from measured compute times (as cadp does), and
@@ -74,17 +75,21 @@ class Auto(CADP):
     name = "auto"
 
     noise_scale: Annotated[float, non_negative().with_note(
-        "0: train.batch_size with the adascale lr rule, min_batch with sqrt")] = 0.0
+        "0: train.batch_size with the adascale lr rule, 16 with sqrt")] = 0.0
     """Prior noise scale (samples, in the planner's terms: after noise_scale_factor) for the
     plans before enough probes; 0: by the lr rule, chosen on the goodput benchmark's
     selection seeds (benchmarks/goodput_factor.py --option noise_scale, 8 against 32).
     SGD (adascale): train.batch_size; on MNIST-1D the prior 8 was slower in 5 of 8 cells,
     tied in one (hetero-8 to 85%: 1.50x against 1.75x the tuned lone device;
     results/goodput_prior.md).
-    Adam/AdamW (sqrt): min_batch; on the tiny GPT the prior 8 reached both loss targets
-    sooner in all 8 cells (hetero-8 to loss 2.4: 1.52x against 1.31x;
-    results/goodput_prior_gpt.md): the first plan, kept until two checks agree on a better
-    one, starts small and the measured noise scale grows it."""
+    Adam/AdamW (sqrt): 16. On the tiny GPT at min_batch 8 the prior 8 reached both loss
+    targets sooner than 32 in all 8 cells (hetero-8 to loss 2.4: 1.52x against 1.31x;
+    results/goodput_prior_gpt.md); at min_batch 2, 16 against 8 (the value whose worst
+    cell is highest): 1.40x / 1.46x against 1.22x / 1.21x on hetero-4, where 16 plans G 8 on
+    all four devices and 8 plans G 3 on two, and 0.86-1.00x of 8's speed-up on the other
+    three clusters, where both plan the same G and 16's lr is lower (the sqrt rule's gain
+    falls as the noise scale rises); worst cells 1.37x and 1.21x
+    (results/goodput_prior16_min_batch2_gpt.md, goodput_min_batch_prior8_gpt.md)."""
     noise_scale_factor: Annotated[float, non_negative().with_note(
         "0: 3 with the adascale lr rule, 1 with sqrt")] = 0.0
     """The planner's noise scale is this multiple of the measured simple noise scale
@@ -96,8 +101,17 @@ class Auto(CADP):
     Adam/AdamW (sqrt): 1; on the tiny GPT 3 reached the targets no sooner (hetero-8, lab-6)
     and its larger batches (G 128 on hetero-8) ended 0-0.17 nats of test loss above 1's,
     median 0.11 (results/goodput_factor_gpt.json)."""
-    min_batch: Annotated[int, integer(1, 10**9)] = 8
-    """Smallest global batch the planner considers."""
+    min_batch: Annotated[int, integer(0, 10**9).with_note(
+        "0: 8 with the adascale lr rule, 2 with sqrt")] = 0
+    """Smallest global batch the planner considers; 0: by the lr rule, chosen on the goodput
+    benchmark's selection seeds. SGD (adascale): 8. Adam/AdamW (sqrt): 2; on the tiny GPT,
+    with the prior at 8, 2 reached both loss targets sooner than 8 on hetero-8, geo-16 and
+    lab-6 (1.59x / 1.53x, 2.15x / 1.93x, 1.90x / 1.91x the tuned lone device against 1.16x /
+    1.27x, 1.55x / 1.52x, 1.46x / 1.45x), where a G of 2-3 on the two fastest devices of a
+    site beats the lone device at its best batch of 2-4, and later on hetero-4 (1.22x / 1.21x
+    against 1.43x / 1.52x; results/goodput_min_batch_prior8_gpt.md), which the prior 16
+    mends. A device with a batch of 1 measures no noise (the probe splits a batch in two), so
+    a plan of such devices keeps its G and lr."""
     max_batch: Annotated[int, integer(0, 10**9).with_note("0: auto")] = 0
     """Largest global batch the planner considers; 0: an epoch / 16 (at least 16 steps)."""
     local_step_penalty: Annotated[float, Limit(0, 1)] = 1.0
@@ -149,6 +163,10 @@ class Auto(CADP):
     """Price the PS's per-member cost from measured round lengths (False: the cluster
     model's only)."""
 
+    SQRT_PRIOR = 16.0
+    """The prior noise scale with the sqrt lr rule (see `noise_scale`)."""
+    SQRT_MIN_BATCH = 2
+    """The smallest global batch with the sqrt lr rule (see `min_batch`)."""
     MEMBER_ROUNDS = 10
     """Rounds measured before a grown per-member cost triggers a check."""
 
@@ -163,11 +181,12 @@ class Auto(CADP):
         rule = self.lr_rule if self.lr_rule != "auto" else (
             "adascale" if ctx.optimizer == "sgd" else "sqrt")
         self._lr_exponent = 1.0 if rule == "adascale" else 0.5
-        self._prior = self.noise_scale or float(
-            ctx.batch_size if rule == "adascale" else self.min_batch)
+        self._prior = self.noise_scale or (
+            float(ctx.batch_size) if rule == "adascale" else self.SQRT_PRIOR)
         self._last_noise: float | None = None
-        hi = self.max_batch or max(self.min_batch, ctx.train_samples // 16)
-        self._grid = batch_grid(min(self.min_batch, hi), hi)
+        lo = self.min_batch or (8 if rule == "adascale" else self.SQRT_MIN_BATCH)
+        hi = self.max_batch or max(lo, ctx.train_samples // 16)
+        self._grid = batch_grid(min(lo, hi), hi)
         self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
         cl = ctx.cluster
         sites = [s.name for s in cl.sites] if self.move_ps else [cl.ps_site]
