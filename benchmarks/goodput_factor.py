@@ -1,6 +1,6 @@
-"""How auto's `noise_scale_factor`, `noise_scale` (its prior) and `lr_follows_noise` were
-chosen, and what `min_batch` and the base lr would change: auto at each value of one option
-on the SELECTION seeds.
+"""How auto's `noise_scale_factor`, `noise_scale` (its prior), `min_batch` and
+`lr_follows_noise` were chosen, and what `local_step_penalty` and the base lr would change:
+auto at each value of one option on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
         [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|
@@ -20,8 +20,8 @@ factor, prior, lr_follow with values 1 / 0, min_batch, penalty, base_lr: the opt
 not an auto option, for how far auto's own lr is from its best): per cluster, target and
 value, the median (and per-seed values) of lone TTA / auto TTA, and auto's final metric
 (accuracy, or test loss for text-gpt). `--with` holds other auto options fixed in every run
-(e.g. the prior, `noise_scale=8`, which by default moves with min_batch for Adam), `--out`
-names the results files instead.
+(e.g. the prior, `noise_scale=8`, while min_batch moves), `--out` names the results files
+instead.
 """
 
 from __future__ import annotations
