@@ -143,12 +143,19 @@ def lone_key(cluster: str) -> str:
     return f"{d.flops:g}-{d.step_overhead_s:g}"
 
 
-def pick(selection: list[dict[str, Any]], target: float) -> tuple[int, float]:
-    """The tuned lone setting for `target` (see the module docstring), from selection records
+def ttas_by_setting(selection: list[dict[str, Any]], target: float
+                    ) -> dict[tuple[int, float], list[float]]:
+    """Each (batch, lr) tried and its TTAs to `target` over the seeds, from selection records
     {batch, lr, tta_s: {str(target): seconds}}."""
     by: dict[tuple[int, float], list[float]] = {}
     for r in selection:
         by.setdefault((r["batch"], r["lr"]), []).append(float(r["tta_s"][str(target)]))
+    return by
+
+
+def pick(selection: list[dict[str, Any]], target: float) -> tuple[int, float]:
+    """The tuned lone setting for `target` (see the module docstring) from selection records."""
+    by = ttas_by_setting(selection, target)
     return min(by, key=lambda k: (sum(math.isinf(x) for x in by[k]), statistics.median(by[k])))
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from common import results_dir
-from goodput import WORKLOADS, cluster_spec, lone_key, pick, workload_costs
+from goodput import WORKLOADS, cluster_spec, lone_key, pick, ttas_by_setting, workload_costs
 
 ISSUE_TARGETS = {"hetero-4": 1.5, "hetero-8": 1.4, "geo-16": 1.5}
 """Issue 13's speed-up targets over the tuned lone device (other clusters: >= 1.0)."""
@@ -47,31 +47,34 @@ ISSUE_TARGETS = {"hetero-4": 1.5, "hetero-8": 1.4, "geo-16": 1.5}
 
 def lone_tta_by_batch(selection: list[dict[str, Any]], target: float) -> dict[int, float]:
     """Median TTA over the seeds of every (batch, lr) tried, the best lr's per batch."""
-    by: dict[tuple[int, float], list[float]] = {}
-    for r in selection:
-        by.setdefault((r["batch"], r["lr"]), []).append(float(r["tta_s"][str(target)]))
     best: dict[int, float] = {}
-    for (batch, _), ttas in by.items():
+    for (batch, _), ttas in ttas_by_setting(selection, target).items():
         best[batch] = min(best.get(batch, math.inf), statistics.median(ttas))
     return best
 
 
-def shortest_round_s(cluster: Any, global_batch: int, flops_per_sample: float,
-                     model_bytes: int, free_links: bool) -> float:
-    """The shortest H = 1 round at `global_batch` over every PS site and device subset."""
-    from hetrain.plan.goodput import Costs, StatModel, best_for, cluster_costs
+def site_costs(cluster: Any, flops_per_sample: float, model_bytes: int,
+               free_links: bool) -> list[Any]:
+    """The round costs with the PS in each site (free links: compute and step overheads only)."""
+    from hetrain.plan.goodput import Costs, cluster_costs
 
-    stat = StatModel(noise_scale=1.0, base_batch=global_batch)  # H = 1: efficiency is equal
-    best = math.inf
+    out = []
     for site in cluster.sites:
         costs = cluster_costs(cluster, site.name, flops_per_sample, model_bytes)
         if free_links:
             costs = Costs(costs.ps_site, (0.0,) * costs.n, costs.overhead_s,
                           costs.per_sample_s, 0.0)
-        plan = best_for(costs, stat, global_batch, 1)
-        if plan is not None:
-            best = min(best, plan.round_s)
-    return best
+        out.append(costs)
+    return out
+
+
+def shortest_round_s(costs: list[Any], global_batch: int) -> float:
+    """The shortest H = 1 round at `global_batch` over every PS site and device subset."""
+    from hetrain.plan.goodput import StatModel, best_for
+
+    stat = StatModel(noise_scale=1.0, base_batch=global_batch)  # H = 1: efficiency is equal
+    plans = [best_for(c, stat, global_batch, 1) for c in costs]
+    return min((p.round_s for p in plans if p is not None), default=math.inf)
 
 
 def ceiling(lone_tta: dict[int, float], lone_step_s: dict[int, float],
@@ -96,8 +99,7 @@ def cells(results: dict[str, Any]) -> list[dict[str, Any]]:
         mine = [r for r in results["selection"] if lone_key(r["cluster"]) == lone_key(name)]
         for target in spec["targets"]:
             setting = pick(mine, target)
-            tuned = statistics.median(float(r["tta_s"][str(target)]) for r in mine
-                                      if (r["batch"], r["lr"]) == setting)
+            tuned = statistics.median(ttas_by_setting(mine, target)[setting])
             by_batch = {g: t for g, t in lone_tta_by_batch(mine, target).items()
                         if math.isfinite(t)}
             step = {g: fastest.compute_time_s(g, fps) for g in by_batch}
@@ -105,8 +107,8 @@ def cells(results: dict[str, Any]) -> list[dict[str, Any]]:
                                    "lone_setting": list(setting), "lone_tta_s": tuned,
                                    "lone_tta_by_batch": by_batch}
             for key, free in (("links", False), ("free_links", True)):
-                rounds = {g: shortest_round_s(cluster, g, fps, model_bytes, free)
-                          for g in by_batch}
+                costs = site_costs(cluster, fps, model_bytes, free)
+                rounds = {g: shortest_round_s(costs, g) for g in by_batch}
                 row[f"ceiling_{key}"], row[f"ceiling_{key}_batch"] = ceiling(
                     by_batch, step, rounds, tuned)
             cell = measured.get((name, target), {})

@@ -41,16 +41,16 @@ def test_the_ceiling_takes_the_batch_whose_rounds_cost_least() -> None:
 
 
 def test_two_equal_devices_halve_the_compute_of_a_round() -> None:
-    from goodput_ceiling import shortest_round_s
+    from goodput_ceiling import shortest_round_s, site_costs
 
     from hetrain.cluster import homogeneous
     from hetrain.plan.goodput import cluster_costs
 
     pair, fps, model_bytes = homogeneous(2), 1e6, 4_000_000
     dev = pair.devices[0]
-    free = shortest_round_s(pair, 16, fps, model_bytes, free_links=True)
+    free = shortest_round_s(site_costs(pair, fps, model_bytes, free_links=True), 16)
     assert free == dev.compute_time_s(8, fps)         # 8 samples each, no link cost
-    linked = shortest_round_s(pair, 16, fps, model_bytes, free_links=False)
+    linked = shortest_round_s(site_costs(pair, fps, model_bytes, free_links=False), 16)
     c = cluster_costs(pair, pair.ps_site, fps, model_bytes)
     both = c.comm_s[0] + dev.compute_time_s(8, fps) + 2 * c.member_s
     alone = c.comm_s[0] + dev.compute_time_s(16, fps) + c.member_s
