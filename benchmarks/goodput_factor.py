@@ -4,7 +4,7 @@ auto at each value of one option on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
         [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|
-                  local_step_penalty|lr]
+                  local_step_penalty|lr|hysteresis|noise_ema_weight]
         [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
@@ -39,7 +39,8 @@ from common import results_dir
 from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, tta
 
 OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow",
-           "min_batch": "min_batch", "local_step_penalty": "penalty", "lr": "base_lr"}
+           "min_batch": "min_batch", "local_step_penalty": "penalty", "lr": "base_lr",
+           "hysteresis": "hysteresis", "noise_ema_weight": "noise_ema"}
 """The options this sweeps, and the word naming them in file names and tables; `lr` is not
 auto's but the optimizer's base lr (the lr auto scales from): how far auto's own lr is from
 its best."""
