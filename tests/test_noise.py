@@ -3,6 +3,8 @@ worker-side probe against gradients computed directly."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,42 @@ def test_reset_optimizer_clears_momentum(digits_mlp) -> None:
     reset = rep.run(WorkTask(8, 1, reset_optimizer=True), "delta", batch).update
     torch.testing.assert_close(reset, expected)
     assert not torch.allclose(with_momentum, expected)
+
+
+def test_warm_up_leaves_the_replica_as_it_was(mnist1d_cnn_small) -> None:
+    """The dist worker's untimed first step: parameters, buffers, gradients, optimizer state
+    and the RNG stream are unchanged, so the training that follows is the same as without."""
+    wl = mnist1d_cnn_small
+    torch.manual_seed(0)
+    opt = OptimizerConfig(name="sgd", lr=0.05, momentum=0.9)
+
+    def model() -> torch.nn.Module:   # running statistics and a random mask to disturb
+        return torch.nn.Sequential(wl.build_model(), torch.nn.BatchNorm1d(10),
+                                   torch.nn.Dropout(0.5))
+
+    warmed, plain = (Replica(wl, model(), opt) for _ in range(2))
+    plain.model.load_state_dict(warmed.model.state_dict())
+    batches = [torch.arange(0, 16), torch.arange(16, 32)]
+    for rep in (warmed, plain):                         # momentum and buffers to keep
+        torch.manual_seed(5)
+        rep.run(WorkTask(16, 2), "delta", batches)
+    state = {k: v.clone() for k, v in warmed.model.state_dict().items()}
+    momentum = copy.deepcopy(warmed.optimizer.state_dict())
+    torch.manual_seed(1)
+    warmed.warm_up(32)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(1)
+    assert torch.equal(rng_after, torch.get_rng_state())
+    for k, v in warmed.model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in warmed.model.parameters())
+    after = warmed.optimizer.state_dict()["state"]
+    assert after.keys() == momentum["state"].keys() and all(
+        torch.equal(after[k]["momentum_buffer"], momentum["state"][k]["momentum_buffer"])
+        for k in after)
+    nxt = [torch.arange(32, 48)]
+    torch.manual_seed(2)
+    a = warmed.run(WorkTask(16, 1), "delta", nxt).update
+    torch.manual_seed(2)
+    b = plain.run(WorkTask(16, 1), "delta", nxt).update
+    assert torch.equal(a, b)

@@ -213,6 +213,24 @@ class Replica:
             for mine, theirs in zip(float_buffers(self.model), buffers, strict=True):
                 mine.copy_(theirs)
 
+    def warm_up(self, batch_size: int) -> None:
+        """One untimed forward and backward on the first `batch_size` samples; the model (its
+        buffers too), its gradients, the optimizer and the RNG are left as they were. A
+        process's first step pays one-time costs (first kernels, allocations, the loader)
+        that are not the device's speed: measured in a worker's first task, they ranked a
+        speed-4 device below a speed-2 one on real processes (real_hetero4), and auto, which
+        re-measures only the devices it uses, then trained the slower one alone."""
+        n = len(self.workload.train)  # type: ignore[arg-type]
+        idx = torch.arange(max(1, min(batch_size, n)))
+        saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            self.model.train()
+            for batch in self.loader.batches([idx]):   # the whole (one-batch) iterator
+                self._loss(batch).backward()
+        self.model.zero_grad(set_to_none=True)
+        self.model.load_state_dict(saved)
+
     def _loss(self, batch: Any) -> Tensor:
         batch = self.mover.batch(batch)
         with autocast(self.precision, self.device):

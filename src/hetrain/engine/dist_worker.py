@@ -154,6 +154,7 @@ class Worker:
         self.replica = Replica(self.wl, self.wl.build_model(), self.cfg.optimizer, self.device,
                                self.cfg.train.precision)
         set_message_limit(4 * sum(p.numel() for p in self.replica.model.parameters()))
+        self.replica.warm_up(self.cfg.train.batch_size)   # before any task is timed
         self.server: Server | None = None
         if self.comm == "allreduce":
             self.server = Server(self.wl.build_model(), self.update, self.cfg.optimizer,
