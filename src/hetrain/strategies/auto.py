@@ -128,10 +128,10 @@ class Auto(CADP):
     against 0.1 on the goodput benchmark's MNIST-1D selection seeds (the value whose worst
     cell is highest: 1.67x against 1.50x the tuned lone device): the model's goodput of
     G 16 and G 32 on hetero-8 stays within 10% of each other until the noise scale is about
-    250, so 0.1 kept G 16 for 1.4 epochs, while accuracy hovered at 86-88% for seconds
-    (results/goodput.json, hetero-8); 0.05 reached 90%
-    1.72x sooner than the lone device against 1.50x, and was level or sooner in 6 of 8 cells
-    (hetero-4 to 90%: 1.71x against 1.89x; results/goodput_hysteresis.md)."""
+    250, so 0.1 kept G 16 there for 1.4 epochs while accuracy hovered at 86-88% (the
+    benchmark's held-out runs of 2026-12-06, 1.32x to 90%); 0.05 reached 90% 1.72x sooner
+    than the lone device against 1.50x, and was level or sooner in 6 of 8 cells (hetero-4
+    to 90%: 1.71x against 1.89x; results/goodput_hysteresis.md)."""
     noise_ema_weight: Annotated[float, fraction(hi_open=False)] = 0.002
     """Weight of the newest probe in the noise scale's moving averages."""
     min_probes: Annotated[int, integer(0)] = 20
