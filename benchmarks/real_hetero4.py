@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import real_deepspeed
 import real_torchft
+from common import results_dir
 from real_peers import LONE, PeerRun, run_peer
 
 from hetrain.baselines import fastest_alone
@@ -47,7 +48,8 @@ from hetrain.runner import run_config
 from hetrain.strategies import REGISTRY
 from hetrain.workloads import Workload, flops_per_sample, get_workload
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = results_dir()
+"""benchmarks/results/, or $HETRAIN_BENCH_RESULTS (benchmarks/common.py)."""
 HETRAIN = ("auto", "cadp", "ashl", "ddp", "fastest-alone")
 FASTEST_ALONE = "fastest-alone"
 """The fastest device (4x) training by itself: one real process, a plain PyTorch loop
