@@ -97,6 +97,8 @@ def cells(results: dict[str, Any]) -> list[dict[str, Any]]:
         cluster = load_cluster(cluster_spec(name))
         fastest = max(cluster.devices, key=lambda d: d.flops)
         mine = [r for r in results["selection"] if lone_key(r["cluster"]) == lone_key(name)]
+        costs = {key: site_costs(cluster, fps, model_bytes, free)
+                 for key, free in (("links", False), ("free_links", True))}
         for target in spec["targets"]:
             setting = pick(mine, target)
             tuned = statistics.median(ttas_by_setting(mine, target)[setting])
@@ -106,9 +108,8 @@ def cells(results: dict[str, Any]) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"cluster": name, "workload": workload, "target": target,
                                    "lone_setting": list(setting), "lone_tta_s": tuned,
                                    "lone_tta_by_batch": by_batch}
-            for key, free in (("links", False), ("free_links", True)):
-                costs = site_costs(cluster, fps, model_bytes, free)
-                rounds = {g: shortest_round_s(costs, g) for g in by_batch}
+            for key, sites in costs.items():
+                rounds = {g: shortest_round_s(sites, g) for g in by_batch}
                 row[f"ceiling_{key}"], row[f"ceiling_{key}_batch"] = ceiling(
                     by_batch, step, rounds, tuned)
             cell = measured.get((name, target), {})

@@ -170,6 +170,8 @@ class Auto(CADP):
     """Price the PS's per-member cost from measured round lengths (False: the cluster
     model's only)."""
 
+    ADASCALE_MIN_BATCH = 8
+    """The smallest global batch with the adascale lr rule (see `min_batch`)."""
     SQRT_PRIOR = 16.0
     """The prior noise scale with the sqrt lr rule (see `noise_scale`)."""
     SQRT_MIN_BATCH = 2
@@ -191,7 +193,8 @@ class Auto(CADP):
         self._prior = self.noise_scale or (
             float(ctx.batch_size) if rule == "adascale" else self.SQRT_PRIOR)
         self._last_noise: float | None = None
-        lo = self.min_batch or (8 if rule == "adascale" else self.SQRT_MIN_BATCH)
+        lo = self.min_batch or (
+            self.ADASCALE_MIN_BATCH if rule == "adascale" else self.SQRT_MIN_BATCH)
         hi = self.max_batch or max(lo, ctx.train_samples // 16)
         self._grid = batch_grid(min(lo, hi), hi)
         self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
