@@ -322,19 +322,30 @@ def _prune(costs: Costs, stat: StatModel, plan: GoodputPlan) -> GoodputPlan:
             fewer = evaluate(costs, stat, global_batch, local_steps, allowed)
             if fewer is not None and fewer.goodput > plan.goodput:
                 plan = fewer
-    allowed = np.asarray(plan.shares) > 0
     for _ in range(costs.n if costs.n <= EXACT_UP_TO else 8):
-        if allowed.sum() <= 1:
-            break
-        shares = np.where(allowed, plan.shares, np.iinfo(np.int64).max)
-        allowed = allowed.copy()
-        allowed[int(np.argmin(shares))] = False
-        fewer = evaluate(costs, stat, global_batch, local_steps, allowed)
-        if fewer is None or fewer.goodput <= plan.goodput:
+        fewer = _drop_smallest(costs, stat, plan)
+        if fewer is None:
             break
         plan = fewer
-        allowed = np.asarray(plan.shares) > 0
     return plan
+
+
+def _drop_smallest(costs: Costs, stat: StatModel, plan: GoodputPlan) -> GoodputPlan | None:
+    """The plan without one of its smallest shares, if that raises goodput; among equal
+    smallest shares the first (by device index) that does. Trying only the first of equals
+    kept a remote device at 1 sample whose round trip set the round, because dropping the
+    local device beside it, at 1 sample too, did not help."""
+    shares = np.asarray(plan.shares)
+    active = np.flatnonzero(shares > 0)
+    if len(active) <= 1:
+        return None
+    for j in active[shares[active] == shares[active].min()]:
+        allowed = shares > 0
+        allowed[j] = False
+        fewer = evaluate(costs, stat, plan.global_batch, plan.local_steps, allowed)
+        if fewer is not None and fewer.goodput > plan.goodput:
+            return fewer
+    return None
 
 
 def batch_grid(min_batch: int, max_batch: int) -> tuple[int, ...]:
