@@ -63,3 +63,25 @@ def test_fixed_options_are_typed_like_the_option() -> None:
     assert fixed_option("noise_scale=8") == ("noise_scale", 8.0)
     assert fixed_option("min_batch=4") == ("min_batch", 4)
     assert fixed_option("lr_follows_noise=1") == ("lr_follows_noise", True)
+
+
+def test_final_noise_pools_auto_against_the_picked_lone_runs() -> None:
+    from goodput import final_noise
+
+    def run(system: str, seed: int, accuracy: float, batch: int = 32) -> dict:
+        rows = [{"test_accuracy": accuracy, "time_s": float(t)} for t in range(8)]
+        return {"system": system, "cluster": "hetero-4", "seed": seed, "batch": batch,
+                "lr": 0.05, "rows": rows}
+
+    lone = {3: 0.95, 4: 0.96, 5: 0.94}
+    cells = [{"cluster": "hetero-4", "lone_setting": {"batch": 32, "lr": 0.05}}]
+    data = {"workload": "mnist1d-cnn", "report_seeds": [3, 4, 5], "cells": cells,
+            "runs": [run("lone", s, a) for s, a in lone.items()]
+            + [run("lone", s, 0.5, batch=8) for s in lone]          # a setting not picked
+            + [run("auto", s, a - 0.01) for s, a in lone.items()]}
+    noise = final_noise(data, resamples=200)
+    assert math.isclose(noise["pooled_gap"]["mean"], -1.0)          # points, every run
+    assert all(math.isclose(x, -1.0) for x in noise["pooled_gap"]["ci90"])
+    # seeds 3, 4, 5 against 5, 3, 4: +1, +1, -2 points; the median is +1
+    assert [round(g, 6) for g in noise["same_system_gaps"]] == [1.0]
+    assert math.isclose(noise["run_sd"], 1.0)                       # both groups: sd 1 point
