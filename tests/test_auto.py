@@ -342,3 +342,25 @@ def test_a_ps_cost_far_above_the_model_changes_the_plan_at_once() -> None:
     exact.setup(_ctx(preset("hetero-4")))
     _timed_rounds(exact, 40, per_member_s=0.0)
     assert len(exact.switches) == 1
+
+
+def test_the_fastest_device_slow_at_first_is_re_measured_and_rejoins(digits_mlp) -> None:
+    """hetero-4's speed-4 device runs at 2% of its speed for its first 0.3 virtual s (a
+    first task's one-time costs, say): auto leaves it out after that task, and only a
+    re-probe brings it back."""
+    slow_start = [(0.0, 3, 0.02), (0.3, 3, 1.0)]
+
+    def run(reprobe_after_s: float) -> tuple[Simulator, dict]:
+        prep = prepare(_cfg("hetero-4", epochs=6.0, reprobe_after_s=reprobe_after_s),
+                       workload=digits_mlp)
+        sim = Simulator(prep, speed_schedule=slow_start)
+        return sim, sim.run().summary
+
+    (stuck, stuck_run), (back, back_run) = run(0.0), run(0.2)
+    assert stuck.strategy.history[1][3] == 0 and back.strategy.history[1][3] == 0  # left out
+    assert stuck.strategy.history[-1][3] == 0                # never measured again
+    shares = back.strategy.history[-1]
+    assert shares[3] == max(shares) and shares[3] >= 1.5 * shares[2]   # back, the fastest
+    samples = [summary["workers"][3]["samples"] for summary in (stuck_run, back_run)]
+    assert samples[0] < 50 and samples[1] > 1000
+    assert back_run["time_s"] < 0.8 * stuck_run["time_s"]   # the same 6 epochs, sooner

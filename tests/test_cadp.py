@@ -147,3 +147,66 @@ def test_lost_worker_between_rounds_is_simply_left_out() -> None:
     assert d.release == (0, 1, 2, 3)
     assert s.on_worker_lost(1) is None  # nobody has pushed in the new round yet
     assert s.history[-1][1] == 0
+
+
+def _trio(far_latency_s: float = 1e-4) -> Cluster:
+    site = Site("s", Link(1e9, 1e-4), Link(1e9, 1e-4))
+    return Cluster("c", (Device("a", 2e8, site="s"), Device("b", 4e8, site="s"),
+                         Device("c", 4e8, site="s", link=Link(1e9, far_latency_s))), (site,))
+
+
+def _round(s, members, t: float, slow: dict[int, float] | None = None):
+    """Release `members`, let each push at time t (compute as modelled, x slow[w])."""
+    d = None
+    for w in members:
+        task = s.next_task(w)
+        per = s._model_compute_s[w] * (slow or {}).get(w, 1.0)
+        d = s.on_push(Push(worker=w, base_version=0, samples=task.samples, steps=1, loss=1.0,
+                           compute_s=per * task.samples, comm_s=0.01, arrival_s=t))
+    return d
+
+
+def test_a_device_measured_slow_once_is_re_probed_and_rejoins() -> None:
+    s = make_strategy("cadp", local_steps=1, batch_size=16, reprobe_after_s=5.0,
+                      ship_data=False)
+    s.setup(_ctx(_trio()))
+    d = _round(s, (0, 1, 2), 1.0, slow={2: 100.0})     # c's first task ran 100x slow
+    assert s._shares[2] == 0 and d.release == (0, 1)
+    for t in (2.0, 3.0, 4.0, 5.0):                      # its wait (5 s) is not over
+        assert _round(s, (0, 1), t).release == (0, 1)
+    d = _round(s, (0, 1), 6.0)
+    assert d.release == (0, 1, 2)                       # re-probed beside the round
+    probe = s.next_task(2)
+    assert probe.samples == s.mean_batch and probe.local_steps == 1
+    d = s.on_push(Push(worker=2, base_version=0, samples=probe.samples, steps=1, loss=1.0,
+                       compute_s=probe.samples * 0.0025, comm_s=0.01, arrival_s=6.5))
+    assert d.apply == () and s.costs.compute_s[2] == pytest.approx(0.0025)  # replaced
+    d = _round(s, (0, 1), 7.0)
+    assert dict(d.apply)[2] == 0.0                      # the probe's update is discarded
+    assert s._shares[2] >= s._shares[1] - 1 and 2 in d.release   # back, as fast as b
+
+
+def test_a_device_still_slow_waits_twice_as_long_each_time() -> None:
+    s = make_strategy("cadp", local_steps=1, batch_size=16, reprobe_after_s=5.0,
+                      ship_data=False)
+    s.setup(_ctx(_trio()))
+    _round(s, (0, 1, 2), 1.0, slow={2: 100.0})
+    assert _round(s, (0, 1), 6.0).release == (0, 1, 2)
+    task = s.next_task(2)
+    s.on_push(Push(worker=2, base_version=0, samples=task.samples, steps=1, loss=1.0,
+                   compute_s=task.samples * 0.25, comm_s=0.01, arrival_s=6.0))  # still slow
+    assert s._shares[2] == 0
+    releases = {t: _round(s, (0, 1), t).release for t in (7.0, 11.0, 15.0, 16.0)}
+    assert releases == {7.0: (0, 1), 11.0: (0, 1), 15.0: (0, 1), 16.0: (0, 1, 2)}
+
+
+def test_no_re_probe_when_the_model_is_off_by_the_same_factor_everywhere() -> None:
+    s = make_strategy("cadp", local_steps=1, batch_size=16, reprobe_after_s=1.0,
+                      ship_data=False)
+    s.setup(_ctx(_trio(far_latency_s=30.0)))           # c: a link no round can afford
+    assert s._shares[2] == 0 and s.next_task(2).samples == 1   # the first round's probe
+    _round(s, (0, 1), 1.0, slow={0: 3.0, 1: 3.0})
+    s.on_push(Push(worker=2, base_version=0, samples=1, steps=1, loss=1.0,
+                   compute_s=3 * 0.0025, comm_s=60.0, arrival_s=1.0))   # its first probe
+    for t in (5.0, 50.0, 500.0):
+        assert _round(s, (0, 1), t, slow={0: 3.0, 1: 3.0}).release == (0, 1)

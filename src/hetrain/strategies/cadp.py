@@ -33,7 +33,15 @@ compute time ((compute_s - steps * step_overhead_s) / samples) and its fixed com
 are re-planned from these estimates, so a device that slows down mid-run gets less work.
 Zero-share devices stay idle (they are sent the model with their next non-zero share); in the
 first round the engine starts every worker, so a zero-share worker runs a 1-sample probe whose
-push is measured and folded in with weight 0.
+push is measured and folded in with weight 0. A device left out is otherwise never measured
+again, so one slow measurement (a first task's one-time costs, another job on its GPU for a
+minute) could keep it out for the whole run: while a zero-share device's measured compute per
+sample is over REPROBE_RATIO x its cluster-model figure, relative to the members (their median
+measured / model ratio, so a cluster file that is off by the same factor everywhere triggers
+nothing), it is re-measured every `reprobe_after_s` seconds, the wait doubling while it stays
+slow: released with a probe task (the plan's mean batch, one step) whose update is applied
+with weight 0, its compute time taking the place of the old figure. On the simulator, whose
+devices run at their modelled speeds unless a test slows one, this never fires.
 """
 
 from __future__ import annotations
@@ -106,6 +114,16 @@ class CADP(Strategy):
     """Outer SGD learning rate on the share-weighted delta (1: plain weighted averaging)."""
     outer_momentum: Annotated[float, fraction(lo_open=False)] = 0.0
     """Outer Nesterov momentum (DiLoCo-style; helps when rounds are few, see the benchmark)."""
+    reprobe_after_s: Annotated[float, Limit(0, math.inf).with_note("0: never")] = 10.0
+    """Seconds after a zero-share device's last push before it is re-measured by a probe
+    task (its update discarded), while its measured compute per sample is over 1.5x the
+    cluster model's, relative to the members' ratio: a first task's one-time costs or a
+    passing slowdown would otherwise keep it out for the rest of the run. The wait doubles
+    while it stays slow; 0: never."""
+
+    REPROBE_RATIO = 1.5
+    """A zero-share device is re-probed while its measured / modelled compute per sample is
+    over this multiple of the members' median ratio."""
 
     plan: Allocation | None = field(default=None, init=False, repr=False)
     history: list[tuple[int, ...]] = field(default_factory=list, init=False, repr=False)
@@ -132,6 +150,11 @@ class CADP(Strategy):
         comm0, compute0, _ = round_costs(cl, memory)
         # per device: seconds per sample and per pull + push; priors from the cluster model
         self.costs = WorkerCosts(compute0, comm0, self.ema_weight, "strategy cadp: ema_weight")
+        self._model_compute_s: list[float] | None = [float(x) for x in compute0]
+        self._pushed_at = [0.0] * n                    # when each worker last pushed
+        self._reprobe_wait = [self.reprobe_after_s] * n
+        self._probing: set[int] = set()                # zero-share workers sent a re-probe
+        self._now = 0.0                                 # the latest push's arrival
         speed = 1.0 / np.array(self.costs.compute_s)                           # samples/s
         v_mean = float(speed.mean())
         overhead_bound = math.ceil(float(self._overhead_s.max()) * v_mean / self.overhead_fraction)
@@ -199,26 +222,64 @@ class CADP(Strategy):
         if "_compute_s" in attrs:
             attrs["costs"] = WorkerCosts(attrs.pop("_compute_s"), attrs.pop("_comm_s"),
                                          attrs["ema_weight"])
+        if "_model_compute_s" not in attrs:   # written before re-probing: it stays off
+            n = len(attrs["costs"].compute_s)
+            attrs.update(_model_compute_s=None, _pushed_at=[0.0] * n, _probing=set(),
+                         _reprobe_wait=[0.0] * n, _now=0.0)
         return attrs
 
     def _observe(self, p: Push) -> None:
         """Fold one push's measured times into the moving averages: per sample without the
-        step overheads, on the wire without the shipped samples."""
+        step overheads, on the wire without the shipped samples. A re-probe's compute time
+        replaces the old figure (that figure is what made the device look slow)."""
         j = p.worker
         compute = max(p.compute_s - p.steps * self._overhead_s[j], 1e-3 * p.compute_s) / p.samples
         comm = max(0.0, p.comm_s - self._ship_s[j] * self._shipped[j])
+        self._now = max(self._now, p.arrival_s)
+        self._pushed_at[j] = p.arrival_s
+        if j in self._probing:
+            self._probing.discard(j)
+            self.costs.compute_s[j] = compute
+            self.costs.update(j, None, comm)
+            slow = self._looks_slow(j, self._member_ratio())
+            self._reprobe_wait[j] = 2 * self._reprobe_wait[j] if slow else self.reprobe_after_s
+            return
         self.costs.update(j, compute, comm)
+
+    def _member_ratio(self) -> float:
+        """The members' median measured / modelled compute per sample (1 before any plan)."""
+        model = self._model_compute_s
+        active = [j for j, x in enumerate(self._shares) if x > 0] if self.plan else []
+        if model is None or not active:
+            return 1.0
+        return float(np.median([self.costs.compute_s[j] / model[j] for j in active]))
+
+    def _looks_slow(self, worker: int, member_ratio: float) -> bool:
+        model = self._model_compute_s
+        return model is not None and (self.costs.compute_s[worker] / model[worker]
+                                      > self.REPROBE_RATIO * member_ratio)
+
+    def _reprobes_due(self) -> set[int]:
+        """Waiting zero-share devices that look anomalously slow and whose wait is over."""
+        if not self.reprobe_after_s or self._model_compute_s is None:
+            return set()
+        ratio = self._member_ratio()
+        return {j for j, x in enumerate(self._shares)
+                if x == 0 and self._caps[j] > 0 and j not in self._inflight
+                and j not in self._lost and self._looks_slow(j, ratio)
+                and self._now - self._pushed_at[j] >= self._reprobe_wait[j]}
 
     # ---- protocol -------------------------------------------------------------------------
     def next_task(self, worker: int) -> WorkTask:
         self._inflight.add(worker)
         share = self._shares[worker] if worker in self._members else 0
-        ship = self._to_ship(worker, share) if share else int(self.ship_data)
+        probe = max(1, self.mean_batch) if worker in self._probing else 1
+        ship = self._to_ship(worker, share) if share else probe * int(self.ship_data)
         self._shipped[worker] = ship
         self._held[worker] += ship
         data_bytes = ship * self.context.sample_bytes
-        if share == 0:  # the engine started a zero-share worker: a 1-sample probe
-            return WorkTask(1, 1, self.lr_scale, data_bytes)
+        if share == 0:  # a zero-share worker: the first round's 1-sample probe, or a re-probe
+            return WorkTask(probe, 1, self.lr_scale, data_bytes)
         return WorkTask(batch_size=share // self.steps, local_steps=self.steps,
                         lr_scale=self.lr_scale, data_bytes=data_bytes)
 
@@ -240,6 +301,7 @@ class CADP(Strategy):
         round left without members closes at once, so the waiting devices are not stranded."""
         self._lost.add(worker)
         self._inflight.discard(worker)
+        self._probing.discard(worker)
         self._caps = np.where(np.arange(len(self._caps)) == worker, 0.0, self._caps)
         self._members.discard(worker)
         self._pending.pop(worker, None)
@@ -254,6 +316,7 @@ class CADP(Strategy):
         round under way does not wait for it)."""
         self._lost.discard(worker)
         self._inflight.discard(worker)
+        self._probing.discard(worker)
         caps = getattr(self, "_planned_caps", self._caps)  # strategies checkpointed before it
         self._caps = np.where(np.arange(len(self._caps)) == worker, caps, self._caps)
         self._held[worker] = 0
@@ -276,7 +339,9 @@ class CADP(Strategy):
         self._members = {j for j in range(len(self._shares))
                          if self._shares[j] > 0 and j not in self._inflight
                          and j not in self._lost}
-        return Decision(apply=apply, release=tuple(sorted(self._members)))
+        probes = self._reprobes_due()
+        self._probing |= probes
+        return Decision(apply=apply, release=tuple(sorted(self._members | probes)))
 
     def outer(self) -> OuterOptimizer:
         return OuterOptimizer(self.outer_lr, self.outer_momentum, nesterov=self.outer_momentum > 0)
