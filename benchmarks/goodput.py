@@ -4,6 +4,7 @@
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--select-seeds 0 1 2]
         [--report-seeds 3 4 5] [--epochs E] [--jobs 2] [--from-json RESULTS.json]
         [--widen-json RESULTS.json] [--rerun-auto RESULTS.json]
+        [--extend-json RESULTS.json --report-seeds 6 7 8 --out NAME]
 
 On the simulator (virtual clock, real gradients), every run evaluated every 0.5 virtual
 seconds (the same time granularity for a lone device and a cluster). Workloads: the MNIST-1D
@@ -38,7 +39,9 @@ seed, so the saved runs are what a fresh run would give); --rerun-auto re-runs e
 run of a saved results file and keeps its lone and DDP runs, after checking with today's code
 that one lone selection run reproduces exactly and every DDP run gives the same TTA at every
 target (the only figure taken from it; a DDP run whose losses moved in the last bits since
-is counted) - for a change to auto alone, the others' runs would be the same.
+is counted) - for a change to auto alone, the others' runs would be the same; --extend-json
+adds held-out seeds to a saved results file (auto, DDP and the lone device at its saved picks
+on the new seeds, after one selection run and one auto run of the file reproduce exactly).
 """
 
 from __future__ import annotations
@@ -246,8 +249,18 @@ def main() -> None:
                     help="widen the lone grid of this results file (runs only what it lacks)")
     ap.add_argument("--rerun-auto", default="",
                     help="re-run the auto runs of this results file, keep the others")
+    ap.add_argument("--extend-json", default="",
+                    help="add the --report-seeds this results file lacks (give --out)")
     args = ap.parse_args()
-    if args.widen_json or args.rerun_auto:
+    if args.extend_json:
+        if not args.out:
+            sys.exit("goodput: --extend-json writes a new results file: name it with --out")
+        saved = json.loads(Path(args.extend_json).read_text())
+        for key in ("workload", "clusters", "select_seeds"):
+            setattr(args, key, saved[key])
+        args.epochs = saved["epochs"]
+        data = extend(args, saved)
+    elif args.widen_json or args.rerun_auto:
         saved = json.loads(Path(args.widen_json or args.rerun_auto).read_text())
         for key in ("workload", "clusters", "select_seeds", "report_seeds"):
             setattr(args, key.replace("-", "_"), saved[key])
@@ -372,6 +385,33 @@ def rerun_auto(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any
     command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
     kept = {k: v for k, v in saved.items() if k != "resummarised"}  # summarised anew here
     return {**kept, "runs": runs, "auto_rerun": command}
+
+
+def extend(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` with more held-out seeds (`--report-seeds`, new ones only): auto, DDP and the
+    lone device at its picks (the saved selection's, unchanged) run on them, after one saved
+    selection run and one saved auto run reproduce exactly; the result covers the saved
+    held-out seeds and the new ones."""
+    spec = WORKLOADS[args.workload]
+    new = [s for s in args.report_seeds if s not in saved["report_seeds"]]
+    if not new or set(new) & set(saved["select_seeds"]):
+        sys.exit("goodput: --extend-json needs --report-seeds that are neither the file's "
+                 f"held-out seeds {saved['report_seeds']} nor its selection seeds "
+                 f"{saved['select_seeds']}")
+    lone_of = {c: lone_key(c) for c in args.clusters}
+    first = {k: next(c for c in args.clusters if lone_of[c] == k) for k in set(lone_of.values())}
+    picks = sorted(lone_settings(saved["selection"], spec["targets"], first))
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        check_reproduces(args, pool, saved["selection"], saved["runs"], "auto", "--extend-json")
+        jobs = [make_job(args, system, c, seed) for c in args.clusters
+                for system in ("auto", "ddp") for seed in new]
+        jobs += [make_job(args, "lone", first[k], seed, b, lr) for k, (b, lr) in picks
+                 for seed in new]
+        runs = list(pool.map(run_job, jobs))
+    command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+    kept = {k: v for k, v in saved.items() if k not in ("resummarised", "cells", "final_noise")}
+    return {**kept, "runs": saved["runs"] + runs,
+            "report_seeds": saved["report_seeds"] + new, "extended": command}
 
 
 def provenance(saved: dict[str, Any] | None, command: str) -> dict[str, str]:
@@ -551,6 +591,9 @@ def markdown(data: dict[str, Any]) -> str:
              + (f", auto runs made afresh by `{data['auto_rerun']}` (kept: the lone runs, "
                 "a selection run checked to reproduce exactly, and the DDP runs, each checked to "
                 "give the same TTAs)" if "auto_rerun" in data else "")
+             + (f", held-out seeds added by `{data['extended']}` (the saved runs kept, one "
+                "selection run and one auto run checked to reproduce exactly)"
+                if "extended" in data else "")
              + (f" (re-summarised: `{data['resummarised']}`)" if "resummarised" in data else "")
              + "\n",
              f"Held-out seeds {data['report_seeds']} (the lone device tuned on "

@@ -85,3 +85,16 @@ def test_final_noise_pools_auto_against_the_picked_lone_runs() -> None:
     # seeds 3, 4, 5 against 5, 3, 4: +1, +1, -2 points; the median is +1
     assert [round(g, 6) for g in noise["same_system_gaps"]] == [1.0]
     assert math.isclose(noise["run_sd"], 1.0)                       # both groups: sd 1 point
+
+
+def test_extending_takes_only_new_held_out_seeds() -> None:
+    import argparse
+
+    import pytest
+    from goodput import extend
+
+    saved = {"report_seeds": [3, 4, 5], "select_seeds": [0, 1, 2]}
+    for seeds in ([3, 4], [1, 6], []):
+        args = argparse.Namespace(workload="mnist1d-cnn", report_seeds=seeds)
+        with pytest.raises(SystemExit, match="neither"):
+            extend(args, saved)
