@@ -26,8 +26,9 @@ median and min-max over seeds. Policy for a seed that misses a target within the
 TTA is infinite (so a ratio is 0 when auto misses, inf when the other misses), and the miss
 count is shown. The final metric is the mean of a run's last 5 evaluations (one evaluation is
 noisy); the gap is auto minus lone (accuracy points, or loss), and a paragraph below the table
-says how noisy that gap is (final_noise: one run's spread over seeds, the lone device against
-itself, and auto's gap pooled over all its runs with a bootstrap interval). The planner's predicted speed-up:
+says how noisy that gap is (final_noise: one run's spread over seeds, what it makes of the gap
+between two identical systems, and auto's gap pooled over all its runs with a bootstrap
+interval). The planner's predicted speed-up:
 over auto's run up to its TTA, the time-weighted mean of the goodput model's ratio auto plan /
 tuned lone device (hetrain.plan.goodput) at the noise scale auto planned with at that time; the
 lone device's goodput is its throughput x its batch's statistical efficiency (at the lr tuning
@@ -528,13 +529,13 @@ def summarise(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def final_noise(data: dict[str, Any], resamples: int = 10_000) -> dict[str, Any]:
     """How much of a cell's final gap is noise. A constant-lr run's metric moves from one
-    evaluation to the next, and a cell's gap is the median over 3 seeds of one auto run minus
-    one lone run, so an identical pair of systems shows gaps too. Three figures:
+    evaluation to the next, and a cell's gap is the median over the held-out seeds of one
+    auto run minus one lone run, so two identical systems show gaps too. Three figures:
       * run_sd: the spread of one run's final metric over seeds (pooled sd over the auto runs
         of each cluster and the lone runs of each picked setting);
-      * same_system_gaps: the lone device against itself, each picked setting's runs compared
-        with the same runs rotated by one seed (3 against 5, 4 against 3, 5 against 4): the
-        cell statistic (median of the 3 paired gaps) for two identical systems;
+      * same_system_cell_sd: the sd of a cell's gap between two identical systems whose runs
+        vary by run_sd (Monte Carlo, normal runs, as many seeds as here), and for accuracy
+        same_system_below_half, how often that gap is below -0.5 points;
       * pooled_gap: auto minus lone over every held-out auto run (each run's gaps against its
         cluster's picks averaged), the mean with a bootstrap 90% interval over those runs."""
     import random
@@ -557,12 +558,10 @@ def final_noise(data: dict[str, Any], resamples: int = 10_000) -> dict[str, Any]
         if r["system"] == "lone" and key in picks:
             groups.setdefault(("lone", *key), {})[r["seed"]] = final(r)
     variances = [statistics.variance(g.values()) for g in groups.values() if len(g) > 1]
-    same = []
-    for key, runs in sorted(groups.items(), key=str):
-        if key[0] == "lone" and all(s in runs for s in seeds):
-            xs = [runs[s] for s in seeds]
-            same.append(statistics.median(a - b for a, b in zip(xs, xs[-1:] + xs[:-1],
-                                                                    strict=True)))
+    run_sd = math.sqrt(statistics.mean(variances)) if variances else 0.0
+    rng = random.Random(0)
+    same = [statistics.median(rng.gauss(0, run_sd) - rng.gauss(0, run_sd) for _ in seeds)
+            for _ in range(resamples)]
     per_run: dict[tuple[str, int], list[float]] = {}
     for c in data["cells"]:
         lone = groups[("lone", lone_key(c["cluster"]), c["lone_setting"]["batch"],
@@ -571,13 +570,15 @@ def final_noise(data: dict[str, Any], resamples: int = 10_000) -> dict[str, Any]
             per_run.setdefault((c["cluster"], s), []).append(
                 groups[("auto", c["cluster"])][s] - lone[s])
     gaps = [statistics.mean(v) for v in per_run.values()]
-    rng = random.Random(0)
     means = sorted(statistics.mean(rng.choices(gaps, k=len(gaps))) for _ in range(resamples))
-    return {"run_sd": math.sqrt(statistics.mean(variances)) if variances else None,
-            "same_system_gaps": same,
-            "pooled_gap": {"mean": statistics.mean(gaps), "runs": len(gaps),
-                           "ci90": [means[int(0.05 * resamples)],
-                                    means[int(0.95 * resamples) - 1]]}}
+    out: dict[str, Any] = {
+        "run_sd": run_sd, "same_system_cell_sd": statistics.pstdev(same),
+        "pooled_gap": {"mean": statistics.mean(gaps), "runs": len(gaps),
+                       "ci90": [means[int(0.05 * resamples)],
+                                means[int(0.95 * resamples) - 1]]}}
+    if metric == "accuracy":
+        out["same_system_below_half"] = sum(g < -0.5 for g in same) / resamples
+    return out
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -623,13 +624,15 @@ def markdown(data: dict[str, Any]) -> str:
     if noise:
         unit = "points" if metric == "accuracy" else "nats"
         pooled = noise["pooled_gap"]
+        below = noise.get("same_system_below_half")
         lines.append(
             f"\nHow noisy the final gap is: one run's final {what} varies by "
-            f"{noise['run_sd']:.2f} {unit} (sd) over seeds; the lone device against itself "
-            "(each picked setting's runs against the same runs rotated by one seed, the "
-            "cell's statistic for two identical systems) shows gaps of "
-            + ", ".join(f"{abs(g):.2f}" for g in noise["same_system_gaps"])
-            + f" {unit} (either sign, by the direction of the rotation). Pooled over all {pooled['runs']} held-out auto runs, auto - lone is "
+            f"{noise['run_sd']:.2f} {unit} (sd) over seeds, so between two identical systems "
+            f"a cell's gap (the median over {len(data['report_seeds'])} seeds) would vary by "
+            f"{noise['same_system_cell_sd']:.2f} {unit} (sd, Monte Carlo)"
+            + (f" and fall below -0.5 points in {100 * below:.0f}% of cells"
+               if below is not None else "")
+            + f". Pooled over all {pooled['runs']} held-out auto runs, auto - lone is "
             f"{pooled['mean']:+.2f} {unit} (bootstrap 90% interval {pooled['ci90'][0]:+.2f} "
             f"to {pooled['ci90'][1]:+.2f}).")
     lines.append("\nauto's plans per held-out seed (epoch:G x H):\n")
