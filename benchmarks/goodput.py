@@ -42,13 +42,16 @@ that one lone selection run reproduces exactly and every DDP run gives the same 
 target (the only figure taken from it; a DDP run whose losses moved in the last bits since
 is counted) - for a change to auto alone, the others' runs would be the same; --extend-json
 adds held-out seeds to a saved results file (auto, DDP and the lone device at its saved picks
-on the new seeds, after one selection run and one auto run of the file reproduce exactly).
+on the new seeds, after one selection run and one auto run of the file reproduce exactly); the
+new file holds only the new runs and names the saved one (its runs' digest checked whenever the
+new file is re-summarised; keep the two side by side).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -147,6 +150,13 @@ def lone_key(cluster: str) -> str:
 
     d = load_cluster(cluster_spec(cluster)).fastest_alone().devices[0]
     return f"{d.flops:g}-{d.step_overhead_s:g}"
+
+
+def first_of_each_lone(clusters: list[str]) -> dict[str, str]:
+    """lone_key -> the first of `clusters` with that fastest device (its lone runs stand for
+    every cluster sharing the device)."""
+    lone_of = {c: lone_key(c) for c in clusters}
+    return {k: next(c for c in clusters if lone_of[c] == k) for k in set(lone_of.values())}
 
 
 def ttas_by_setting(selection: list[dict[str, Any]], target: float
@@ -261,20 +271,22 @@ def main() -> None:
             setattr(args, key, saved[key])
         args.epochs = saved["epochs"]
         data = extend(args, saved)
+        full = {**data, "runs": saved["runs"] + data["runs"]}
     elif args.widen_json or args.rerun_auto:
         saved = json.loads(Path(args.widen_json or args.rerun_auto).read_text())
         for key in ("workload", "clusters", "select_seeds", "report_seeds"):
             setattr(args, key.replace("-", "_"), saved[key])
         args.epochs = saved["epochs"]
-        data = run_all(args, saved) if args.widen_json else rerun_auto(args, saved)
+        data = full = run_all(args, saved) if args.widen_json else rerun_auto(args, saved)
     elif args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         data.setdefault("workload", "mnist1d-cnn")
         data["resummarised"] = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
+        full = with_base_runs(data, Path(args.from_json).parent)
     else:
-        data = run_all(args)
-    data["cells"] = summarise(data)
-    data["final_noise"] = final_noise(data)
+        data = full = run_all(args)
+    data["cells"] = full["cells"] = summarise(full)
+    data["final_noise"] = final_noise(full)
     spec = WORKLOADS[data["workload"]]
     out = args.out or spec["out"]
     where = results_dir()
@@ -399,8 +411,7 @@ def extend(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any]:
         sys.exit("goodput: --extend-json needs --report-seeds that are neither the file's "
                  f"held-out seeds {saved['report_seeds']} nor its selection seeds "
                  f"{saved['select_seeds']}")
-    lone_of = {c: lone_key(c) for c in args.clusters}
-    first = {k: next(c for c in args.clusters if lone_of[c] == k) for k in set(lone_of.values())}
+    first = first_of_each_lone(args.clusters)
     picks = sorted(lone_settings(saved["selection"], spec["targets"], first))
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         check_reproduces(args, pool, saved["selection"], saved["runs"], "auto", "--extend-json")
@@ -411,8 +422,28 @@ def extend(args: argparse.Namespace, saved: dict[str, Any]) -> dict[str, Any]:
         runs = list(pool.map(run_job, jobs))
     command = "python benchmarks/goodput.py " + " ".join(sys.argv[1:])
     kept = {k: v for k, v in saved.items() if k not in ("resummarised", "cells", "final_noise")}
-    return {**kept, "runs": saved["runs"] + runs,
-            "report_seeds": saved["report_seeds"] + new, "extended": command}
+    return {**kept, "runs": runs, "report_seeds": saved["report_seeds"] + new,
+            "extended": command, "extends": {"file": Path(args.extend_json).name,
+                                             "runs_sha256": runs_digest(saved["runs"])}}
+
+
+def runs_digest(runs: list[dict[str, Any]]) -> str:
+    return hashlib.sha256(json.dumps(runs, sort_keys=True).encode()).hexdigest()
+
+
+def with_base_runs(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """An extended results file holds only its new runs: `data` with its base file's runs
+    (read from `folder`, where the base must sit) put first, once they are checked to be the
+    runs it was extended from."""
+    ext = data.get("extends")
+    if not ext:
+        return data
+    base_path = folder / ext["file"]
+    base = json.loads(base_path.read_text())["runs"]
+    if runs_digest(base) != ext["runs_sha256"]:
+        sys.exit(f"goodput: {base_path} is not the file this one extended (its runs changed); "
+                 f"re-run `{data['extended']}`")
+    return {**data, "runs": base + data["runs"]}
 
 
 def provenance(saved: dict[str, Any] | None, command: str) -> dict[str, str]:
@@ -431,8 +462,7 @@ def run_all(args: argparse.Namespace, saved: dict[str, Any] | None = None) -> di
     spec = WORKLOADS[args.workload]
     targets, base_lr = spec["targets"], spec["optimizer"]["lr"]
     pool = ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn"))
-    lone_of = {c: lone_key(c) for c in args.clusters}
-    first = {k: next(c for c in args.clusters if lone_of[c] == k) for k in set(lone_of.values())}
+    first = first_of_each_lone(args.clusters)
     if saved is None:
         lrs = [base_lr * f for f in LONE_LR_FACTORS]
         select_jobs = [make_job(args, "lone", first[k], s, b, lr, select=True)
@@ -547,15 +577,14 @@ def final_noise(data: dict[str, Any], resamples: int = 10_000) -> dict[str, Any]
     def final(run: dict[str, Any]) -> float:
         return scale * final_metric(run["rows"], metric)
 
+    picks = {(lone_key(c["cluster"]), c["lone_setting"]["batch"], c["lone_setting"]["lr"])
+             for c in data["cells"]}
     groups: dict[tuple[Any, ...], dict[int, float]] = {}
     for r in data["runs"]:
         if r["system"] == "auto":
             groups.setdefault(("auto", r["cluster"]), {})[r["seed"]] = final(r)
-    picks = {(lone_key(c["cluster"]), c["lone_setting"]["batch"], c["lone_setting"]["lr"])
-             for c in data["cells"]}
-    for r in data["runs"]:
-        key = (lone_key(r["cluster"]), r["batch"], r["lr"])
-        if r["system"] == "lone" and key in picks:
+        elif r["system"] == "lone" and (key := (lone_key(r["cluster"]), r["batch"], r["lr"])) \
+                in picks:
             groups.setdefault(("lone", *key), {})[r["seed"]] = final(r)
     variances = [statistics.variance(g.values()) for g in groups.values() if len(g) > 1]
     run_sd = math.sqrt(statistics.mean(variances)) if variances else 0.0

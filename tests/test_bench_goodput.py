@@ -99,3 +99,20 @@ def test_extending_takes_only_new_held_out_seeds() -> None:
         args = argparse.Namespace(workload="mnist1d-cnn", report_seeds=seeds)
         with pytest.raises(SystemExit, match="neither"):
             extend(args, saved)
+
+
+def test_an_extended_file_reads_its_base_runs_only_while_they_are_unchanged(tmp_path) -> None:
+    import json
+
+    import pytest
+    from goodput import runs_digest, with_base_runs
+
+    base = [{"system": "auto", "seed": 3}]
+    (tmp_path / "base.json").write_text(json.dumps({"runs": base}))
+    ext = {"runs": [{"system": "auto", "seed": 6}], "extended": "goodput.py --extend-json",
+           "extends": {"file": "base.json", "runs_sha256": runs_digest(base)}}
+    assert [r["seed"] for r in with_base_runs(ext, tmp_path)["runs"]] == [3, 6]
+    assert with_base_runs({"runs": []}, tmp_path) == {"runs": []}   # not an extension
+    (tmp_path / "base.json").write_text(json.dumps({"runs": base + base}))
+    with pytest.raises(SystemExit, match="not the file this one extended"):
+        with_base_runs(ext, tmp_path)
