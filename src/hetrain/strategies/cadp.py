@@ -247,9 +247,10 @@ class CADP(Strategy):
         self.costs.update(j, compute, comm)
 
     def _member_ratio(self) -> float:
-        """The members' median measured / modelled compute per sample (1 before any plan)."""
+        """The members' median measured / modelled compute per sample (1 without a model
+        figure, from a checkpoint written before re-probing, or without members)."""
         model = self._model_compute_s
-        active = [j for j, x in enumerate(self._shares) if x > 0] if self.plan else []
+        active = [j for j, x in enumerate(self._shares) if x > 0]
         if model is None or not active:
             return 1.0
         return float(np.median([self.costs.compute_s[j] / model[j] for j in active]))
