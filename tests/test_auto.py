@@ -364,3 +364,65 @@ def test_the_fastest_device_slow_at_first_is_re_measured_and_rejoins(digits_mlp)
     samples = [summary["workers"][3]["samples"] for summary in (stuck_run, back_run)]
     assert samples[0] < 50 and samples[1] > 1000
     assert back_run["time_s"] < 0.8 * stuck_run["time_s"]   # the same 6 epochs, sooner
+
+
+def test_adam_pushes_gradients_and_sgd_deltas() -> None:
+    """push = "auto": one optimizer step at the PS on the round's mean gradient with Adam-type
+    optimizers (so every plan has H = 1), parameter deltas with SGD or explicit local steps."""
+    from dataclasses import replace
+
+    ctx = _ctx(_two_sites(fast_far=False))
+    cases = [("sgd", {}, "delta"), ("adamw", {}, "gradient"), ("adam", {}, "gradient"),
+             ("adamw", {"local_steps": 4}, "delta"), ("adamw", {"push": "delta"}, "delta"),
+             ("sgd", {"push": "gradient"}, "gradient")]
+    for optimizer, options, expected in cases:
+        s = make_strategy("auto", move_ps=False, **options)
+        s.setup(replace(ctx, optimizer=optimizer))
+        assert s.pushes == expected and s.stats()["pushes"] == expected, (optimizer, options)
+        if expected == "gradient":
+            assert s.goodput_plan.local_steps == 1
+    # the far cluster's plan with deltas: the slow home device alone, with local steps
+    s = make_strategy("auto", move_ps=False)
+    s.setup(ctx)
+    assert s.goodput_plan.local_steps > 1
+    with pytest.raises(ConfigError, match=r'push = "gradient".*local_steps = 4'):
+        make_strategy("auto", push="gradient", local_steps=4)
+
+
+def test_a_gradient_round_is_stepped_at_the_lr_scale_it_ran_with() -> None:
+    """The PS's step on a round's gradients takes the lr scale of the plan the round ran
+    under, also when closing it switches the plan (and the scale of the next round)."""
+    from dataclasses import replace
+
+    s = make_strategy("auto", replan_every_epochs=0.01, min_probes=1)
+    s.setup(replace(_ctx(preset("hetero-4")), optimizer="adamw"))
+    rescaled = 0        # rounds whose close switched the plan to another lr scale
+    for _ in range(400):
+        members = sorted(s._members)
+        scales = {s.next_task(w).lr_scale for w in members}
+        assert scales == {s.lr_scale}
+        ran_with = scales.pop()
+        for w in members:
+            decision = s.on_push(Push(worker=w, base_version=0, samples=s._shares[w],
+                                      steps=1, loss=1.0, compute_s=0.01, comm_s=0.001,
+                                      arrival_s=0.0, probe=_probe(4000.0, 16)))
+        assert decision.apply and decision.lr_scale == pytest.approx(ran_with)
+        rescaled += s.lr_scale != pytest.approx(ran_with)
+    assert rescaled >= 1
+    sgd = make_strategy("auto")
+    sgd.setup(_ctx(preset("hetero-4")))
+    assert _run_rounds(sgd, 1, noise=32.0).lr_scale == 1.0   # deltas: the workers' lr
+
+
+def test_auto_with_adamw_trains_by_gradient_pushes(digits_mlp) -> None:
+    """On the simulator: the workers keep no optimizer state (the PS steps AdamW)."""
+    from dataclasses import replace
+
+    cfg = _cfg("hetero-4", epochs=2.0)
+    cfg = replace(cfg, optimizer=replace(cfg.optimizer, name="adamw", lr=0.003))
+    sim = Simulator(prepare(cfg, workload=digits_mlp))
+    r = sim.run()
+    assert r.summary["strategy_stats"]["pushes"] == "gradient"
+    assert r.final_accuracy > 0.85
+    assert all(not rep.optimizer.state for rep in sim.replicas)
+    assert sim.server.optimizer.state                     # AdamW's moments live at the PS

@@ -34,6 +34,8 @@ class SyncPS(Strategy):
     name = "test_sync_ps"
     comm = "ps"
     update = "gradient"
+    lr_scale: float = 1.0
+    """The Decisions' lr scale (the server's step at optimizer.lr x it)."""
     arrived: set[int] = field(default_factory=set)
 
     def next_task(self, worker: int) -> WorkTask:
@@ -44,7 +46,8 @@ class SyncPS(Strategy):
         if len(self.arrived) < self.context.cluster.n:
             return Decision()
         ws, self.arrived = sorted(self.arrived), set()
-        return Decision(apply=tuple((w, 1 / len(ws)) for w in ws), release=tuple(ws))
+        return Decision(apply=tuple((w, 1 / len(ws)) for w in ws), release=tuple(ws),
+                        lr_scale=self.lr_scale)
 
 
 def trio_cfg(strategy: str, epochs: float = 0.2, **dist: Any) -> RunConfig:
@@ -114,6 +117,20 @@ def test_two_shards_give_the_model_of_one_server(sync_ps_runs) -> None:
     for w1, w2 in zip(one["workers"], two["workers"], strict=True):
         assert w2["pushes"] == w1["pushes"]
         assert w2["bytes_sent"] == pytest.approx(w1["bytes_sent"], rel=0.03)
+
+
+def test_every_shard_steps_at_the_decisions_lr_scale(sync_ps_runs, mnist1d_cnn_small) -> None:
+    """Gradient pushes with Decision.lr_scale 0.5 on two shards: the model of one server whose
+    optimizer.lr is halved (a shard that ignored the scale would step its block at the full
+    lr), and not the model of the unscaled run."""
+    scaled = run_distributed(trio_cfg("test_sync_ps", ps_shards=2), run_dir=None,
+                             strategy=SyncPS(lr_scale=0.5), workload=mnist1d_cnn_small)
+    cfg = trio_cfg("test_sync_ps")
+    halved = run_distributed(replace(cfg, optimizer=replace(cfg.optimizer,
+                                                            lr=cfg.optimizer.lr * 0.5)),
+                             run_dir=None, strategy=SyncPS(), workload=mnist1d_cnn_small)
+    assert _losses(scaled.rows) == pytest.approx(_losses(halved.rows), abs=1e-5)
+    assert _losses(scaled.rows) != pytest.approx(_losses(sync_ps_runs[1].rows), abs=1e-3)
 
 
 # cadp on two shards runs by default in test_topk_pushes_on_two_shards_train_and_are_sparse,

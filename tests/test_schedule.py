@@ -230,6 +230,38 @@ def test_gradient_server_steps_with_the_scheduled_lr() -> None:
     assert server.version == 7
 
 
+def test_gradient_server_scales_its_lr_by_the_decisions_and_skips_a_discarded_update() -> None:
+    """AdamW on the server: an update with lr_scale 0.5 is torch's AdamW step at half the lr;
+    one whose weights are all 0 leaves the parameters and the optimizer's state alone (a step
+    on a zero gradient would still move them), though it counts as an update."""
+    torch.manual_seed(0)
+    cfg = OptimizerConfig(name="adamw", lr=0.1, weight_decay=0.01)
+    model = nn.Linear(3, 2)
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    server = Server(model, "gradient", cfg, OuterOptimizer())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.01)
+    for _ in range(3):
+        grad = torch.randn(8)
+        server.apply([(0.25, grad, []), (0.75, grad, [])], lr_scale=0.5)
+        _set_grads(reference, grad)
+        ref_opt.step()
+        assert torch.allclose(server.params(),
+                              torch.nn.utils.parameters_to_vector(reference.parameters()),
+                              atol=1e-7)
+    before, state = server.params(), str(server.optimizer.state_dict())
+    server.apply([(0.0, torch.randn(8), []), (0.0, torch.randn(8), [])], lr_scale=0.5)
+    assert torch.equal(server.params(), before) and str(server.optimizer.state_dict()) == state
+    assert server.version == 4
+
+
+def _set_grads(model: nn.Module, flat: torch.Tensor) -> None:
+    k = 0
+    for p in model.parameters():
+        p.grad = flat[k:k + p.numel()].view_as(p).clone()
+        k += p.numel()
+
+
 def test_delta_server_outer_step_is_not_scheduled() -> None:
     cfg = OptimizerConfig(lr=0.1, **STEP)
     server = Server(nn.Linear(3, 1, bias=False), "delta", cfg, OuterOptimizer(lr=0.7))

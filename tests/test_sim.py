@@ -258,3 +258,18 @@ def test_metrics_csv_holds_the_scalar_columns_of_every_row(tmp_path, digits_mlp)
         table = list(csv.DictReader(f))
     assert len(table) == len(rows) >= 2 and "busy_s" not in table[0]
     assert [float(r["test_accuracy"]) for r in table] == [r["test_accuracy"] for r in rows]
+
+
+def test_a_decisions_lr_scale_is_the_servers_step(mnist1d_cnn_small) -> None:
+    """Gradient pushes with Decision.lr_scale 0.5: the run of optimizer.lr halved."""
+    from hetrain.engine.setup import prepare
+    from hetrain.engine.sim import Simulator
+    from test_dist_shards import SyncPS, trio_cfg
+
+    cfg = replace(trio_cfg("test_sync_ps"), engine="sim")
+    halved_cfg = replace(cfg, optimizer=replace(cfg.optimizer, lr=cfg.optimizer.lr * 0.5))
+    runs = [Simulator(prepare(c, strategy=st, workload=mnist1d_cnn_small)).run()
+            for c, st in ((cfg, SyncPS(lr_scale=0.5)), (halved_cfg, SyncPS()), (cfg, SyncPS()))]
+    scaled, halved, plain = ([r["test_loss"] for r in run.rows] for run in runs)
+    assert scaled == pytest.approx(halved, abs=1e-6)
+    assert scaled != pytest.approx(plain, abs=1e-3)

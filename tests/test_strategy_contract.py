@@ -49,7 +49,8 @@ OPTIONS: dict[str, list[dict[str, Any]]] = {
              {"ahl_gap": 0, "ahl_fastest_steps": 3, "shl_fastest_steps": 1}],
     "cadp": [{}, {"local_steps": 2, "batch_size": 32, "replan_every": 2},
              {"replan_every": 0, "ship_data": False}],
-    "auto": [{}, {"local_steps": 2, "move_ps": False, "min_probes": 2}],
+    "auto": [{}, {"local_steps": 2, "move_ps": False, "min_probes": 2},
+             {"push": "gradient", "min_probes": 2}],
     "local_sgd": [{}, {"local_steps": 1}],
 }
 """Options beside the defaults that take other paths (a registered strategy not listed here
@@ -299,6 +300,8 @@ def _ddp() -> Strategy:
     (Decision(apply=((0, math.nan),)), {1}, None, {0: 1}, "push", "finite and >= 0"),
     (Decision(apply=((0, -0.25), (1, 1.25))), {2}, None, {0: 1, 1: 1}, "push", ">= 0"),
     (Decision(apply=((0, 0.5), (1, 0.4))), {2}, None, {0: 1, 1: 1}, "push", "sum to 1"),
+    (Decision(apply=((0, 1.0),), lr_scale=0.0), {1}, None, {0: 1}, "push", "lr scale"),
+    (Decision(apply=((0, 1.0),), lr_scale=math.inf), {1}, None, {0: 1}, "push", "lr scale"),
     (Decision(), set(), None, {0: 1}, "push", "no deadlock"),
     (None, set(), {0, 1}, {}, "joined", "no deadlock"),
 ])

@@ -93,7 +93,8 @@ class OptimizerConfig:
     LinearLR); empty: a constant lr. It is stepped by the GLOBAL step, the number of server
     updates applied (the model version), identically on both engines: the workers' lr (delta
     strategies: optimizer.lr x the strategy's lr scale x the schedule's factor) and the
-    server's (gradient strategies: optimizer.lr x the factor). The server's outer step of
+    server's (gradient strategies: optimizer.lr x the update's lr scale, 1 but for auto,
+    x the factor). The server's outer step of
     delta strategies (DiLoCo-style outer lr) is not scheduled. SequentialLR and
     ChainedScheduler take their sub-schedulers as tables in scheduler_options.schedulers,
     e.g. {schedulers = [{name = "LinearLR", start_factor = 0.1, total_iters = 5}, {name =

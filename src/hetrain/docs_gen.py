@@ -189,7 +189,8 @@ def _strategy_section() -> list[str]:
            "`update`: what is pushed (`gradient` or a parameter `delta` after local steps).", ""]
     for name, cls in builtin_strategies().items():
         out += [f"### name = \"{name}\"", "",
-                f"{_first_line(cls)} (comm `{cls.comm}`, update `{cls.update}`)", ""]
+                f"{_first_line(cls)} (comm `{cls.comm}`, "
+                f"{getattr(cls, 'UPDATE_NOTE', f'update `{cls.update}`')})", ""]
         if any(f.init for f in dataclasses.fields(cls)):
             out += [*field_table(cls), ""]
         else:

@@ -359,23 +359,27 @@ class Server:
         factor = 1.0 if self.schedule is None else self.schedule.factor(self.version)
         return self.base_lr * factor
 
-    def apply(self, weighted: list[tuple[float, Tensor, list[Tensor]]]) -> None:
-        """One server update from (weight, update, buffers) triples. Gradient mode with a
-        schedule: the optimizer steps with the lr of this update's global step (the version
-        before it), on every server and PS shard alike; the outer step of delta mode is not
-        scheduled (its lr is the strategy's)."""
+    def apply(self, weighted: list[tuple[float, Tensor, list[Tensor]]],
+              lr_scale: float = 1.0) -> None:
+        """One server update from (weight, update, buffers) triples. Gradient mode: the
+        optimizer steps with the lr of this update's global step (the version before it, when
+        there is a schedule) times `lr_scale` (the Decision's), on every server and PS shard
+        alike, and not at all when every weight is 0 (a discarded update: a step on a zero
+        gradient would still move Adam's or momentum's parameters); the outer step of delta
+        mode is not scheduled (its lr is the strategy's)."""
         if not weighted:
             return
-        if self.schedule is not None and self.update == "gradient":
+        total = sum(w for w, _, _ in weighted)
+        if self.update == "gradient":
             for group in self.optimizer.param_groups:
-                group["lr"] = self.lr()
+                group["lr"] = self.lr() * lr_scale
         agg = sum(w * u for w, u, _ in weighted)
         assert isinstance(agg, Tensor)  # not sum's start 0: `weighted` is not empty
-        set_flat_grads(self.owned, agg)
-        if self.clip_grad_norm > 0:  # gradient strategies: the server's step on the aggregate
-            clip_gradients(self.owned, self.clip_grad_norm)
-        self.optimizer.step()
-        total = sum(w for w, _, _ in weighted)
+        if self.update == "delta" or total > 0:
+            set_flat_grads(self.owned, agg)
+            if self.clip_grad_norm > 0:  # gradient strategies: the step on the aggregate
+                clip_gradients(self.owned, self.clip_grad_norm)
+            self.optimizer.step()
         with torch.no_grad():
             for k, buf in enumerate(float_buffers(self.model)):
                 if total > 0:

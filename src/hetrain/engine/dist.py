@@ -326,7 +326,7 @@ def check_ps_shards_fit(prep: Prepared) -> None:
     shards = prep.cfg.dist.ps_shards
     if shards == 1:
         return
-    if prep.cfg.optimizer.clip_grad_norm > 0 and prep.strategy.update == "gradient":
+    if prep.cfg.optimizer.clip_grad_norm > 0 and prep.strategy.pushes == "gradient":
         raise ConfigError("optimizer.clip_grad_norm clips the whole gradient, but with "
                           f"dist.ps_shards = {shards} each PS shard steps on a block of it; "
                           "use ps_shards = 1 to clip")

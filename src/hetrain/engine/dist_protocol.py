@@ -103,8 +103,9 @@ class PSProtocol(CommProtocol):
     def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
         c = self.c
         factor = plateau_factor(c.server)   # of this update, before it is applied
-        c.server.apply(items)
-        c.shards.send(Apply(items=list(decision.apply), lr_factor=factor))
+        c.server.apply(items, decision.lr_scale)
+        c.shards.send(Apply(items=list(decision.apply), lr_factor=factor,
+                            lr_scale=decision.lr_scale))
 
     def sync_model(self) -> None:
         if self.c.server.version > 0:

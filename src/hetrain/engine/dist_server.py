@@ -78,7 +78,7 @@ class Coordinator:
         """Where the global model lives, is updated and evaluated (dist.ps_device)."""
         model = prep.workload.build_model().to(self.device)
         self.shards = ShardFanout(model, self.cfg.dist.ps_shards, n)
-        self.server = Server(model, prep.strategy.update, self.cfg.optimizer,
+        self.server = Server(model, prep.strategy.pushes, self.cfg.optimizer,
                              prep.strategy.outer(), owned=self.shards.blocks[0])
         self.loop = RunLoop(prep, self.server, self, self.clock, progress)
         self.loop.open_log(run_dir)
@@ -178,7 +178,7 @@ class Coordinator:
                                      shard_optimizers=shard_optimizers)
 
     def _send_setup(self) -> None:
-        self.shards.setup(self.strategy.update, self.strategy.outer(), self.server.version)
+        self.shards.setup(self.strategy.pushes, self.strategy.outer(), self.server.version)
         shards = {"ranks": self.shards.ranks, "sizes": self.shards.sizes}
         state = self.protocol.setup_state()
         for w in sorted(self.live):
@@ -188,7 +188,7 @@ class Coordinator:
                    shards: dict[str, Any]) -> Setup:
         return Setup(worker=w, cluster=self.p.cluster,
                      flops_per_sample=self.p.ctx.flops_per_sample,
-                     update=self.strategy.update, comm=self.strategy.comm,
+                     update=self.strategy.pushes, comm=self.strategy.comm,
                      outer=self.strategy.outer(), emulation=self.emulation,
                      state=state, shards=shards)
 

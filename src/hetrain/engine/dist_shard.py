@@ -212,7 +212,8 @@ class Shard:
             assert self.server is not None
             follow_plateau(self.server, cmd.lr_factor)
             self.server.apply([(weight, self.blocks[w].popleft(), [])
-                               for w, weight in present(cmd.items, cmd, "items")])
+                               for w, weight in present(cmd.items, cmd, "items")],
+                              present(cmd.lr_scale, cmd, "lr_scale"))
         elif isinstance(cmd, Drop):
             w = cmd.worker
             self.dropped.add(w)

@@ -73,12 +73,14 @@ class Task:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Apply:
     """All-reduce workers: all-reduce the last update with `weight`; shards: apply the
-    Decision's (worker, weight) `items`. `lr_factor`: rank 0's ReduceLROnPlateau factor."""
+    Decision's (worker, weight) `items`. `lr_factor`: rank 0's ReduceLROnPlateau factor;
+    `lr_scale`: the Decision's (gradient pushes: the step's lr multiplier)."""
 
     kind: ClassVar[str] = "apply"
     weight: int | float | None = None
     items: list[Any] | None = None
     lr_factor: int | float | None = None
+    lr_scale: int | float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -88,7 +88,7 @@ class Simulator:
         self.speed_schedule = sorted(speed_schedule, key=lambda e: e[0])
         cfg, cluster, wl = prep.cfg, prep.cluster, prep.workload
         torch.manual_seed(cfg.train.seed)
-        self.server = Server(wl.build_model(), prep.strategy.update, cfg.optimizer,
+        self.server = Server(wl.build_model(), prep.strategy.pushes, cfg.optimizer,
                              prep.strategy.outer())
         self.now = 0.0
         self.loop = RunLoop(prep, self.server, self, lambda: self.now, progress)
@@ -155,7 +155,7 @@ class Simulator:
 
     # ---- RunLoop's Engine hooks -------------------------------------------------------------
     def update(self, decision: Decision, items: list[tuple[float, Any, list[Any]]]) -> None:
-        self.server.apply(items)
+        self.server.apply(items, decision.lr_scale)
         self.now = self._at[0]
 
     def release(self, worker: int) -> None:
@@ -219,11 +219,11 @@ class Simulator:
             start = t
         times.comm_s += start - t + collective_s
         rep = self.replicas[w]
-        if self.strategy.update == "delta" and self.p.cfg.train.local_residual:
+        if self.strategy.pushes == "delta" and self.p.cfg.train.local_residual:
             params = self.feedback[w].local_start(params)
         rep.load(params, self.server.buffers())
         batches = [self.loop.owner.take(task.batch_size) for _ in range(task.local_steps)]
-        result = rep.run(task, self.strategy.update, batches)
+        result = rep.run(task, self.strategy.pushes, batches)
         device = self.p.cluster.devices[w]
         factor = next((f for s, d, f in reversed(self.speed_schedule) if d == w and s <= t), 1.0)
         if factor != 1.0:

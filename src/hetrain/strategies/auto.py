@@ -27,6 +27,9 @@ How it runs:
     only if the new plan's predicted goodput beats the current plan's, re-evaluated at the
     same noise scale, by `hysteresis` (no flapping); a switch grows G, and the round's samples
     G x H, by at most `max_batch_growth`.
+  * with Adam-type optimizers members push gradients and the PS takes one optimizer step on
+    their sample-weighted mean (one step at batch G, at the plan's lr scale); with SGD they
+    push parameter deltas after H local steps (`push`).
   * a round whose training loss blows up (`divergence_factor`) is discarded and the plan
     backs off to the one before.
   * the learning rate is AdaScale's gain for G at the noise scale of the plan switch that set
@@ -46,6 +49,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 
 from hetrain.cluster import Cluster
+from hetrain.errors import ConfigError
 from hetrain.plan.allocate import Allocation
 from hetrain.plan.ema import EMA
 from hetrain.plan.goodput import (
@@ -61,7 +65,7 @@ from hetrain.plan.goodput import (
     search,
 )
 from hetrain.plan.noise import GradientNoiseScale
-from hetrain.strategies.base import Decision, Push, RunContext, WorkTask
+from hetrain.strategies.base import Decision, Push, RunContext, Update, WorkTask
 from hetrain.strategies.cadp import CADP
 from hetrain.strategies.options import Limit, fraction, integer, non_negative, positive
 from hetrain.strategies.registry import register
@@ -162,6 +166,16 @@ class Auto(CADP):
     Off by default: on the goodput benchmark's MNIST-1D selection seeds it raised auto's
     final accuracy in 3 of 4 clusters (0.3-0.8 points; geo-16 lost 0.7) but reached 85%
     1-20% later in all 4 (benchmarks/results/goodput_lr_follow.md)."""
+    push: Literal["auto", "delta", "gradient"] = "auto"
+    """What members push each round. gradient: their mean gradients over their shares, and
+    the PS steps the configured optimizer once on the sample-weighted mean, which is one step
+    at batch G, as the lone device takes (H = 1 only; the lr scale is applied at the PS).
+    delta: each member steps its own optimizer H times on its share and the PS averages the
+    parameter deltas. auto: gradient with Adam-type optimizers, delta with SGD (or when
+    local_steps > 1). With SGD the two agree at H = 1 while the shares stay put (momentum is
+    linear), and delta lets one device alone run H steps per PS round trip. With Adam they do
+    not: each member normalises its own 1-4-sample gradient by its own second moments, and the
+    average of those steps is not an Adam step at batch G."""
     move_ps: bool = True
     """Let the planner choose the PS site (False: keep the cluster's ps_site)."""
     ship_data: bool = False
@@ -170,6 +184,8 @@ class Auto(CADP):
     """Price the PS's per-member cost from measured round lengths (False: the cluster
     model's only)."""
 
+    UPDATE_NOTE = "update `gradient` with Adam-type optimizers, `delta` with SGD: see `push`"
+    """What docs/config.md says of the update (the class's `update` is only the default)."""
     ADASCALE_MIN_BATCH = 8
     """The smallest global batch with the adascale lr rule (see `min_batch`)."""
     SQRT_PRIOR = 16.0
@@ -197,7 +213,11 @@ class Auto(CADP):
             self.ADASCALE_MIN_BATCH if rule == "adascale" else self.SQRT_MIN_BATCH)
         hi = self.max_batch or max(lo, ctx.train_samples // 16)
         self._grid = batch_grid(min(lo, hi), hi)
-        self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
+        self._pushes = self._resolve_push(ctx)
+        if self._pushes == "gradient":
+            self._steps_grid: tuple[int, ...] = (1,)
+        else:
+            self._steps_grid = (self.local_steps,) if self.local_steps else LOCAL_STEPS
         cl = ctx.cluster
         sites = [s.name for s in cl.sites] if self.move_ps else [cl.ps_site]
         costs = [cluster_costs(cl, s, ctx.flops_per_sample, ctx.model_bytes) for s in sites]
@@ -217,6 +237,23 @@ class Auto(CADP):
         self.discarded_rounds = 0
         # cadp's setup prices links to the cluster's PS: give it the cluster with the PS moved
         super().setup(replace(ctx, cluster=replace(cl, ps_site=self.ps_site)))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.push == "gradient" and self.local_steps > 1:
+            raise ConfigError(f"strategy auto: push = \"gradient\" takes one step per round, "
+                              f"but local_steps = {self.local_steps}; set push = \"delta\" "
+                              "for local steps, or local_steps = 0")
+
+    def _resolve_push(self, ctx: RunContext) -> Update:
+        """The `push` option, "auto" decided by the optimizer (see the option)."""
+        if self.push != "auto":
+            return self.push
+        return "gradient" if ctx.optimizer != "sgd" and self.local_steps <= 1 else "delta"
+
+    @property
+    def pushes(self) -> Update:
+        return self._pushes
 
     def ps_placement(self) -> str | None:
         return self.ps_site
@@ -354,7 +391,7 @@ class Auto(CADP):
         first."""
         attrs = CADP._upgrade_attrs(attrs)
         for name, value in (("_first_loss", None), ("_round_cap", math.inf),
-                            ("discarded_rounds", 0)):
+                            ("discarded_rounds", 0), ("_pushes", "delta")):
             attrs.setdefault(name, value)
         if "_member_rounds" in attrs:
             cost = EMA(attrs["ema_weight"])
@@ -401,15 +438,19 @@ class Auto(CADP):
 
     def _close_round(self) -> Decision:
         """cadp's, with the divergence guard: a blown-up round is applied with weight 0 (the
-        model stays as it was) and the plan backs off first, so the next round runs on it."""
+        model stays as it was) and the plan backs off first, so the next round runs on it.
+        Gradient pushes: the PS's step takes the lr scale the round ran with (closing it may
+        switch the plan, and with it the scale of the next round)."""
         if len(self._pending) < len(self._members):
             return Decision()
+        scale = self.lr_scale if self._pushes == "gradient" else 1.0
         if not self._round_blew_up():
-            return super()._close_round()
+            return replace(super()._close_round(), lr_scale=scale)
         self._replan(back_off=True)          # cadp may re-plan again after it: quietly
         self.discarded_rounds += 1
         decision = super()._close_round()
-        return replace(decision, apply=tuple((j, 0.0) for j, _ in decision.apply))
+        return replace(decision, apply=tuple((j, 0.0) for j, _ in decision.apply),
+                       lr_scale=scale)
 
     def _adopt_quietly(self, plan: GoodputPlan) -> None:
         """Same G and H with re-allocated shares (measured speeds): not a switch."""
@@ -464,7 +505,7 @@ class Auto(CADP):
         out = super().stats()
         plan = self.goodput_plan
         assert plan is not None
-        out.update({"ps_site": plan.ps_site, "noise_scale": self.noise.noise_scale or 0.0,
+        out.update({"ps_site": plan.ps_site, "pushes": self._pushes, "noise_scale": self.noise.noise_scale or 0.0,
                     "noise_probes": self.noise.probes, "plan_switches": len(self.switches) - 1,
                     "plans": ";".join(f"{e}:G{g}xH{h}" for e, g, h in self.switches),
                     "predicted_samples_per_s": plan.samples_per_s,

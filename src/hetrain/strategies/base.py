@@ -36,7 +36,8 @@ means an empty one) keep these rules:
 3. Weights are finite and >= 0 (0 discards a push). Where `weights = "average"` (ddp,
    local_sgd, cadp, auto) the weights of a Decision sum to 1, the update being a weighted mean,
    or are all 0 (a Decision that only discards); where "scaled" (asp, ssp, adsp, ashl) each is
-   the strategy's own step size for one push, as its docstring says.
+   the strategy's own step size for one push, as its docstring says. A Decision's lr_scale
+   is finite and > 0.
 4. No deadlock: once a Decision is carried out some live worker is busy (unless none is live),
    since only a push can free a waiting one. The one exception is the default `on_worker_lost`,
    which leaves a barrier waiting for the lost worker; the engine then stops the run with a
@@ -123,6 +124,10 @@ class Decision:
     """(worker, weight) of buffered pushes to aggregate into ONE server update: sum w_i u_i."""
     release: tuple[int, ...] = ()
     """Workers whose pull is answered now with the (updated) model and a new task."""
+    lr_scale: float = 1.0
+    """Multiplies the server optimizer's lr for this update, where workers push gradients
+    (the server steps the configured optimizer; a task's lr_scale reaches only a worker's own
+    steps). Delta pushes ignore it: their outer step is the strategy's (`outer`)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,12 @@ class Strategy(ABC):
     "scaled", nothing fixed (each weight is the strategy's own step size for one push)."""
 
     ctx: RunContext | None = field(default=None, init=False, repr=False)
+
+    @property
+    def pushes(self) -> Update:
+        """What this run's workers push: the class's `update`, unless the strategy chose at
+        setup (auto pushes gradients with Adam-type optimizers). Engines read it after setup."""
+        return self.update
 
     def __post_init__(self) -> None:
         """Check every option against the range or choices its field declares

@@ -100,6 +100,9 @@ def check_decision(strategy: Strategy, decision: Decision | None, *, n_workers: 
         total = math.fsum(weights)
         if abs(total - 1.0) > SUM_TOLERANCE:
             raise broken("3: an average's weights sum to 1", f"they sum to {total!r}")
+    if not (isinstance(d.lr_scale, (int, float)) and math.isfinite(d.lr_scale)
+            and d.lr_scale > 0):
+        raise broken("3: the lr scale is a finite number > 0", f"it is {d.lr_scale!r}")
 
     # 4. no deadlock: someone live still computes (a waiting worker is freed only by a push)
     # a strategy without its own on_worker_lost (a barrier) cannot go on once a worker is
