@@ -44,7 +44,8 @@ is counted) - for a change to auto alone, the others' runs would be the same; --
 adds held-out seeds to a saved results file (auto, DDP and the lone device at its saved picks
 on the new seeds, after one selection run and one auto run of the file reproduce exactly); the
 new file holds only the new runs and names the saved one (its runs' digest checked whenever the
-new file is re-summarised; keep the two side by side).
+new file is re-summarised; keep the two side by side). --rerun-auto on such a file re-runs its
+own auto runs and names its base's runs as they are then (re-run the base's first).
 """
 
 from __future__ import annotations
@@ -273,11 +274,17 @@ def main() -> None:
         data = extend(args, saved)
         full = {**data, "runs": saved["runs"] + data["runs"]}
     elif args.widen_json or args.rerun_auto:
-        saved = json.loads(Path(args.widen_json or args.rerun_auto).read_text())
+        path = Path(args.widen_json or args.rerun_auto)
+        saved = json.loads(path.read_text())
+        if "extends" in saved and args.widen_json:
+            sys.exit("goodput: --widen-json widens a base results file, not one made by "
+                     "--extend-json")
         for key in ("workload", "clusters", "select_seeds", "report_seeds"):
             setattr(args, key.replace("-", "_"), saved[key])
         args.epochs = saved["epochs"]
         data = full = run_all(args, saved) if args.widen_json else rerun_auto(args, saved)
+        if "extends" in data:
+            full = with_base_runs(repoint_base(data, path.parent), path.parent)
     elif args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         data.setdefault("workload", "mnist1d-cnn")
@@ -444,6 +451,13 @@ def with_base_runs(data: dict[str, Any], folder: Path) -> dict[str, Any]:
         sys.exit(f"goodput: {base_path} is not the file this one extended (its runs changed); "
                  f"re-run `{data['extended']}`")
     return {**data, "runs": base + data["runs"]}
+
+
+def repoint_base(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """An extended file whose auto runs were re-made (--rerun-auto), after its base file's
+    were: it names the base's runs as they are now (the pair was re-made together)."""
+    base = json.loads((folder / data["extends"]["file"]).read_text())["runs"]
+    return {**data, "extends": {**data["extends"], "runs_sha256": runs_digest(base)}}
 
 
 def provenance(saved: dict[str, Any] | None, command: str) -> dict[str, str]:

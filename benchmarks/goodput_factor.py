@@ -4,7 +4,7 @@ auto at each value of one option on the SELECTION seeds.
 
     .venv/bin/python benchmarks/goodput_factor.py [--workload mnist1d-cnn]
         [--option noise_scale_factor|noise_scale|lr_follows_noise|min_batch|
-                  local_step_penalty|lr|hysteresis|noise_ema_weight]
+                  local_step_penalty|lr|hysteresis|noise_ema_weight|push]
         [--values 1 2 3 5]
         [--clusters hetero-4 hetero-8 geo-16 lab-6] [--seeds 0 1 2] [--jobs 2]
         [--selection benchmarks/results/goodput.json (goodput_gpt.json for text-gpt)]
@@ -17,7 +17,8 @@ selection run's, read from the results file of goodput.py (`--selection`). Only 
 seeds are used here, so goodput.py's held-out seeds (3-5) stay out of the choice. Writes
 benchmarks/results/goodput_<word>{,_gpt}.{json,md}, <word> naming the option (OPTIONS:
 factor, prior, lr_follow with values 1 / 0, min_batch, penalty, base_lr: the optimizer's base lr,
-not an auto option, for how far auto's own lr is from its best): per cluster, target and
+not an auto option, for how far auto's own lr is from its best; push with values gradient /
+delta): per cluster, target and
 value, the median (and per-seed values) of lone TTA / auto TTA, and auto's final metric
 (accuracy, or test loss for text-gpt). `--with` holds other auto options fixed in every run
 (e.g. the prior, `noise_scale=8`, while min_batch moves), `--out` names the results files
@@ -40,21 +41,22 @@ from goodput import WORKLOADS, final_metric, lone_key, make_job, pick, run_job, 
 
 OPTIONS = {"noise_scale_factor": "factor", "noise_scale": "prior", "lr_follows_noise": "lr_follow",
            "min_batch": "min_batch", "local_step_penalty": "penalty", "lr": "base_lr",
-           "hysteresis": "hysteresis", "noise_ema_weight": "noise_ema"}
+           "hysteresis": "hysteresis", "noise_ema_weight": "noise_ema", "push": "push"}
 """The options this sweeps, and the word naming them in file names and tables; `lr` is not
 auto's but the optimizer's base lr (the lr auto scales from): how far auto's own lr is from
 its best."""
 BOOLEAN = {"lr_follows_noise"}
 """Options given as 1 / 0 on the command line."""
 INTEGER = {"min_batch", "min_device_batch"}
+WORDS = {"push"}
+"""Options whose values are words (push: gradient, delta)."""
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="mnist1d-cnn")
     ap.add_argument("--option", choices=sorted(OPTIONS), default="noise_scale_factor")
-    ap.add_argument("--values", "--factors", nargs="+", type=float,
-                    default=[1.0, 2.0, 3.0, 5.0])
+    ap.add_argument("--values", "--factors", nargs="+", default=["1", "2", "3", "5"])
     ap.add_argument("--clusters", nargs="+", default=["hetero-4", "hetero-8", "geo-16", "lab-6"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=2)
@@ -73,10 +75,7 @@ def main() -> None:
                  f"with selection seeds {args.seeds}")
     as_goodput = argparse.Namespace(workload=args.workload, epochs=0.0)  # its default epochs
     opt = args.option
-    if opt in BOOLEAN:
-        args.values = [bool(v) for v in args.values]
-    elif opt in INTEGER:
-        args.values = [int(v) for v in args.values]
+    args.values = [typed(opt, v) for v in args.values]
 
     fixed = dict(fixed_option(text) for text in args.fixed)
 
@@ -126,8 +125,9 @@ def main() -> None:
              f"auto vs the tuned lone device (lone TTA / auto TTA), seeds {args.seeds}, median "
              "(per seed); the lone TTAs are the selection runs of goodput.py's results file; "
              "final: auto's final metric, median.\n",
-             "| cluster | target | " + " | ".join(f"{OPTIONS[opt]} {f:g}" for f in args.values)
-             + " | final " + " / ".join(f"{f:g}" for f in args.values) + " |",
+             "| cluster | target | " + " | ".join(f"{OPTIONS[opt]} {label(f)}"
+                                                   for f in args.values)
+             + " | final " + " / ".join(label(f) for f in args.values) + " |",
              "|---|---|" + "---|" * (len(args.values) + 1)]
     for i in range(0, len(cells), len(args.values)):
         row = cells[i:i + len(args.values)]
@@ -147,7 +147,20 @@ def fixed_option(text: str) -> tuple[str, Any]:
         sys.exit(f"goodput_factor: --with takes OPTION=VALUE, got '{text}'")
     if name in BOOLEAN:
         return name, value.lower() in ("1", "true")
-    return name, int(value) if name in INTEGER else float(value)
+    return name, typed(name, value)
+
+
+def typed(name: str, value: str) -> Any:
+    """A command-line value as the option takes it."""
+    if name in WORDS:
+        return value
+    if name in BOOLEAN:
+        return bool(float(value))
+    return int(float(value)) if name in INTEGER else float(value)
+
+
+def label(value: Any) -> str:
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_an_extended_file_reads_its_base_runs_only_while_they_are_unchanged(tmp_
     import json
 
     import pytest
-    from goodput import runs_digest, with_base_runs
+    from goodput import repoint_base, runs_digest, with_base_runs
 
     base = [{"system": "auto", "seed": 3}]
     (tmp_path / "base.json").write_text(json.dumps({"runs": base}))
@@ -116,3 +116,5 @@ def test_an_extended_file_reads_its_base_runs_only_while_they_are_unchanged(tmp_
     (tmp_path / "base.json").write_text(json.dumps({"runs": base + base}))
     with pytest.raises(SystemExit, match="not the file this one extended"):
         with_base_runs(ext, tmp_path)
+    # after --rerun-auto of both files the pair is re-made together
+    assert len(with_base_runs(repoint_base(ext, tmp_path), tmp_path)["runs"]) == 3
