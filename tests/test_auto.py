@@ -379,6 +379,8 @@ def test_adam_pushes_gradients_and_sgd_deltas() -> None:
         s = make_strategy("auto", move_ps=False, **options)
         s.setup(replace(ctx, optimizer=optimizer))
         assert s.pushes == expected and s.stats()["pushes"] == expected, (optimizer, options)
+        said = "\n".join(s.explain_plan(s.context.cluster, 1e6)[1])
+        assert ("members push gradients" in said) == (expected == "gradient")
         if expected == "gradient":
             assert s.goodput_plan.local_steps == 1
     # the far cluster's plan with deltas: the slow home device alone, with local steps

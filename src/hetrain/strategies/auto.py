@@ -266,7 +266,12 @@ class Auto(CADP):
             raise RuntimeError("strategy auto: explain_plan before setup")
         lone = lone_goodput(cluster, self._stat(), self._grid, flops_per_sample)
         plan = replace(self.goodput_plan, alternatives={"fastest device alone": lone})
-        return plan, explain(plan, cluster, self._costs(), self.min_device_batch)
+        lines = explain(plan, cluster, self._costs(), self.min_device_batch)
+        if self._pushes == "gradient":
+            lines.append(f"members push gradients: the PS takes one {self.context.optimizer} "
+                         f"step per round on their mean, a step at batch "
+                         f"{plan.global_batch} (push = \"delta\" averages their own steps)")
+        return plan, lines
 
     def _check_interval(self, ctx: RunContext) -> int:
         return max(1, int(self.replan_every_epochs * ctx.train_samples))
