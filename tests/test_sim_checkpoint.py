@@ -26,10 +26,12 @@ from hetrain.runner import run_config
 from test_api import Blobs  # three 2-D Gaussian blobs, items (tensor, int)
 
 
-def cfg_of(strategy: str = "asp", epochs: float = 1.0, **train_keys: Any) -> RunConfig:
+def cfg_of(strategy: str = "asp", epochs: float = 1.0, optimizer: str = "sgd",
+           **train_keys: Any) -> RunConfig:
     """A small MNIST-1D CNN run on hetero-4 (~1-2 s on the simulator)."""
     options = {"local_steps": 4} if strategy == "local_sgd" else {}
     return config_from_dict({
+        "optimizer": {"name": optimizer, "lr": 0.05 if optimizer == "sgd" else 0.003},
         "name": "c", "cluster": "hetero-4",
         "workload": {"model": "cnn", "dataset": "mnist1d",
                      "dataset_options": {"num_samples": 2000}},
@@ -80,6 +82,7 @@ def _cut(how: str, at_row: int):
     ("local_sgd", "crash", {"compression": "topk", "compression_options": {"ratio": 0.05},
                             "local_residual": True, "checkpoint_every": 1}),
     ("auto", "sigint", {}),
+    ("auto", "crash", {"optimizer": "adamw", "checkpoint_every": 2}),   # gradient pushes
 ])
 def test_a_resumed_run_repeats_the_uncut_run_exactly(tmp_path, strategy, how,
                                                      train_keys) -> None:
