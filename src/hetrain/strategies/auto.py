@@ -515,7 +515,8 @@ class Auto(CADP):
         out = super().stats()
         plan = self.goodput_plan
         assert plan is not None
-        out.update({"ps_site": plan.ps_site, "pushes": self._pushes, "noise_scale": self.noise.noise_scale or 0.0,
+        out.update({"ps_site": plan.ps_site, "pushes": self._pushes,
+                    "noise_scale": self.noise.noise_scale or 0.0,
                     "noise_probes": self.noise.probes, "plan_switches": len(self.switches) - 1,
                     "plans": ";".join(f"{e}:G{g}xH{h}" for e, g, h in self.switches),
                     "predicted_samples_per_s": plan.samples_per_s,
