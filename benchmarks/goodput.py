@@ -284,7 +284,8 @@ def main() -> None:
         args.epochs = saved["epochs"]
         data = full = run_all(args, saved) if args.widen_json else rerun_auto(args, saved)
         if "extends" in data:
-            full = with_base_runs(repoint_base(data, path.parent), path.parent)
+            data = repoint_base(data, path.parent)
+            full = with_base_runs(data, path.parent)
     elif args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         data.setdefault("workload", "mnist1d-cnn")

@@ -20,11 +20,12 @@ subset (hetrain.plan.goodput.best_for), pricing the links and the PS's per-membe
 exactly what the model prices.
 
 It is an estimate, not a bound: G and lr only on the lone grid (batches a factor 2 apart, lrs
-a factor 2 apart), and it leaves out H > 1 local steps, a batch that changes during the run,
-and per-device optimizer states averaged as deltas (auto with Adam, where a round is not
-exactly one step at batch G). auto with min_batch 2 measured 1.59x / 1.53x on GPT hetero-8's
-selection seeds against this estimate's 1.29x / 1.33x (G 3 on two devices, at an lr between
-the grid's; benchmarks/results/goodput_min_batch_prior8_gpt.md). What it shows is where the
+a factor 2 apart), and it leaves out H > 1 local steps and a batch that changes during the
+run. An auto round at H = 1 is one step at batch G: with Adam its members push gradients (until
+stop 43 they averaged their own Adam steps, which is not such a step), with SGD their
+momentum steps average to one while the shares stay put. auto with min_batch 2 measured
+1.59x / 1.53x on GPT hetero-8's selection seeds against this estimate's 1.29x / 1.33x (G 3 on
+two devices, at an lr between the grid's; benchmarks/results/goodput_min_batch_prior8_gpt.md). What it shows is where the
 gain is: which G, on which devices.
 Writes benchmarks/results/goodput_ceiling.{json,md}.
 """

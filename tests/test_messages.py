@@ -36,7 +36,7 @@ def _full() -> list[messages.Message]:
         messages.Task(task=WorkTask(batch_size=8, local_steps=2),
                       batches=[torch.arange(8), torch.arange(8, 16)], apply_weight=0.5,
                       lr_factor=0.1, params=params, buffers=[torch.ones(2)], version=4),
-        messages.Apply(weight=0.25, items=[(0, 0.5), (2, 0.5)], lr_factor=1),
+        messages.Apply(weight=0.25, items=[(0, 0.5), (2, 0.5)], lr_factor=1, lr_scale=0.5),
         messages.Drop(worker=2),
         messages.Stop(),
         messages.Ready(device="cpu", error="no such device", times=_times, overruns=1),
