@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hetrain.config import OptimizerConfig, RunConfig, config_from_dict
-from hetrain.engine.core import Server, next_task, schedule_metrics
+from hetrain.engine.core import Server, next_task, schedule_metrics, set_flat_grads
 from hetrain.engine.schedule import LrSchedule, scheduler_names
 from hetrain.errors import ConfigError
 from hetrain.runner import run_config
@@ -244,7 +244,7 @@ def test_gradient_server_scales_its_lr_by_the_decisions_and_skips_a_discarded_up
     for _ in range(3):
         grad = torch.randn(8)
         server.apply([(0.25, grad, []), (0.75, grad, [])], lr_scale=0.5)
-        _set_grads(reference, grad)
+        set_flat_grads(list(reference.parameters()), grad)
         ref_opt.step()
         assert torch.allclose(server.params(),
                               torch.nn.utils.parameters_to_vector(reference.parameters()),
@@ -253,13 +253,6 @@ def test_gradient_server_scales_its_lr_by_the_decisions_and_skips_a_discarded_up
     server.apply([(0.0, torch.randn(8), []), (0.0, torch.randn(8), [])], lr_scale=0.5)
     assert torch.equal(server.params(), before) and str(server.optimizer.state_dict()) == state
     assert server.version == 4
-
-
-def _set_grads(model: nn.Module, flat: torch.Tensor) -> None:
-    k = 0
-    for p in model.parameters():
-        p.grad = flat[k:k + p.numel()].view_as(p).clone()
-        k += p.numel()
 
 
 def test_delta_server_outer_step_is_not_scheduled() -> None:
